@@ -1,0 +1,42 @@
+"""lit_speed: PyTorch Lightning components that make training faster and lighter.
+
+Public components are imported lazily, so ``import lit_speed`` stays cheap and a component's heavy
+dependencies (DeepSpeed, NVML) load only when that component is used.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "GuardedPrecision": "lit_speed.precision.guarded_precision",
+    "AccumulationScheduler": "lit_speed.accumulation.accumulation_scheduler",
+    "ZeroStrategy": "lit_speed.strategies.zero_strategy",
+    "CurriculumDataModule": "lit_speed.curriculum.curriculum_data_module",
+    "CurriculumEarlyStopping": "lit_speed.curriculum.curriculum_early_stopping",
+    "DeviceStatsLogger": "lit_speed.monitoring.device_stats_logger",
+    "ActivationCheckpointing": "lit_speed.memory.activation_checkpointing",
+    "CompileModel": "lit_speed.memory.compile_model",
+    "plan": "lit_speed.memory.planner",
+    "RunSummary": "lit_speed.run_summary",
+    "DigitsDataModule": "lit_speed.data.digits",
+    "CharLMDataModule": "lit_speed.data.charlm",
+    "build_corpus": "lit_speed.data.charlm",
+    "MLPClassifier": "lit_speed.models.mlp",
+    "GPTModule": "lit_speed.models.gpt",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lit_speed' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

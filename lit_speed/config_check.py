@@ -1,0 +1,78 @@
+"""Catch bad command-line overrides before Hydra prints a stack trace: name the value and the choices."""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+class ConfigError(ValueError):
+    """A configuration the user can fix; the message names the setting, the choices and the fix."""
+
+
+def group_options(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
+    """Option names of a config group (``conf/<group>/*.yaml``)."""
+    return sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+
+
+def _first_value(override: str) -> str:
+    """``a=1,2`` (a sweep) -> ``a=1``: a sweep is checked through its first value."""
+    parsed = OverridesParser.create().parse_overrides([override])[0]
+    if not parsed.is_sweep_override():
+        return override
+    first = next(iter(parsed.sweep_string_iterator()))
+    prefix = {"ADD": "+", "FORCE_ADD": "++", "DEL": "~"}.get(parsed.type.name, "")
+    return f"{prefix}{parsed.key_or_group}={first}"
+
+
+def _explain(override: str, cfg_without: DictConfig | None, config_dir: Path) -> str:
+    key, _, value = override.lstrip("+~").partition("=")
+    if (config_dir / key).is_dir():
+        choices = group_options(key, config_dir)
+        near = difflib.get_close_matches(value, choices, n=1)
+        hint = f" Did you mean {key}={near[0]}?" if near else ""
+        return f"{key}={value}: unknown option {value!r} for group {key!r}. Valid choices: {', '.join(choices)}.{hint}"
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg_without, parent_key) if (cfg_without is not None and parent_key) else cfg_without
+    if isinstance(parent, DictConfig):
+        keys = [str(k) for k in parent.keys()]
+        if leaf not in keys:
+            near = difflib.get_close_matches(leaf, keys, n=3)
+            hint = f" Did you mean {' or '.join(f'{parent_key}.{n}' if parent_key else n for n in near)}?" if near else ""
+            where = f"'{parent_key}'" if parent_key else "the top level"
+            return (f"{key}={value}: no key {leaf!r} in {where}.{hint} Valid keys: {', '.join(keys)}. "
+                    f"To add a new key on purpose, write +{key}={value}.")
+    return ""
+
+
+def preflight(argv: list[str], config_name: str = "train", config_dir: Path = CONFIG_DIR) -> DictConfig:
+    """Compose the config the way ``scripts/train.py`` will; raise :class:`ConfigError` with a fix on failure.
+
+    Only plain overrides are checked (``hydra.*`` settings and flags are Hydra's own business).
+    """
+    overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        try:
+            firsts = [_first_value(o) for o in overrides]
+            return compose(config_name=config_name, overrides=firsts)
+        except (HydraException, OmegaConfBaseException, ValueError) as error:
+            original = str(error).strip()
+        # find the override to blame: the first whose removal makes composition succeed
+        for i, override in enumerate(firsts):
+            rest = firsts[:i] + firsts[i + 1:]
+            try:
+                cfg_without = compose(config_name=config_name, overrides=rest)
+            except (HydraException, OmegaConfBaseException, ValueError):
+                continue
+            message = _explain(override, cfg_without, config_dir)
+            raise ConfigError(message or f"{overrides[i]}: {original}") from None
+        raise ConfigError(original) from None

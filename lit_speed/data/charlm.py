@@ -1,0 +1,251 @@
+"""Character-level language-modelling corpus built from the Python standard library's own source.
+
+No download: the text is the ``.py`` files of the interpreter that runs this code. The builder is a
+plain function (:func:`build_corpus`) usable outside Hydra and Lightning; the DataModule serves
+fixed-length windows of the memory-mapped token arrays it writes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+# A fixed vocabulary (tab, newline, printable ASCII) so token ids never depend on corpus content;
+# any other character maps to "?" (index of "?").
+VOCAB = "\t\n" + "".join(chr(c) for c in range(32, 127))
+VOCAB_SIZE = len(VOCAB)  # 97
+_UNKNOWN = VOCAB.index("?")
+_LUT = np.full(0x110000, _UNKNOWN, dtype=np.uint8)
+_LUT[[ord(c) for c in VOCAB]] = np.arange(VOCAB_SIZE, dtype=np.uint8)
+
+# Generated tables and test fixtures: codec maps, test data with odd encodings, vendored packages.
+DEFAULT_EXCLUDE = ("encodings/", "test/", "tests/", "idlelib/idle_test/", "site-packages/", "lib2to3/tests/",
+                   "__pycache__/", "pydoc_data/")
+
+
+def encode(text: str) -> np.ndarray:
+    """Map text to uint8 token ids of :data:`VOCAB` (unknown characters -> ``?``)."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    return _LUT[codes]
+
+
+def decode(ids: np.ndarray | torch.Tensor | list[int]) -> str:
+    return "".join(VOCAB[int(i)] for i in ids)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Paths of the memory-mapped train/val token arrays and what they were built from."""
+
+    train_path: Path
+    val_path: Path
+    meta: dict[str, Any]
+
+    def train_tokens(self) -> np.memmap:
+        return np.memmap(self.train_path, dtype=np.uint8, mode="r")
+
+    def val_tokens(self) -> np.memmap:
+        return np.memmap(self.val_path, dtype=np.uint8, mode="r")
+
+    @property
+    def content_hash(self) -> str:
+        return self.meta["content_hash"]
+
+
+def list_source_files(root: str | os.PathLike | None = None, exclude: tuple[str, ...] = DEFAULT_EXCLUDE) -> list[Path]:
+    """The stdlib ``.py`` files in a deterministic order (sorted relative POSIX paths)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    excluded = tuple(e.rstrip("/") for e in exclude)
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root).as_posix()
+        rel_dir = "" if rel_dir == "." else rel_dir + "/"
+        # prune excluded folders (site-packages alone can hold gigabytes)
+        dirnames[:] = [d for d in dirnames if not (rel_dir + d).endswith(excluded) and d not in excluded]
+        files += [rel_dir + f for f in filenames if f.endswith(".py") and not os.path.islink(os.path.join(dirpath, f))]
+    return [root / rel for rel in sorted(files)]
+
+
+def build_corpus(
+    cache_dir: str | os.PathLike,
+    max_bytes: int = 4_000_000,
+    val_every: int = 10,
+    root: str | os.PathLike | None = None,
+) -> Corpus:
+    """Build (or reuse) the stdlib character corpus and return its memory-mapped token files.
+
+    Files are read in sorted order until ``max_bytes`` characters are collected; every
+    ``val_every``-th file goes to validation, so validation text is drawn from across the library
+    rather than from its (codec-table-heavy) tail. The cache key is a SHA-256 of the file names,
+    contents and builder arguments: same machine and arguments -> same hash -> no rebuild.
+
+    Args:
+        cache_dir: Folder for ``charlm-<hash>.{train,val}.bin`` and ``.json``.
+        max_bytes: Cap on the total characters taken (train + val).
+        val_every: Every n-th file goes to validation (10 -> a 90/10 split).
+        root: Source folder; defaults to this interpreter's standard library.
+    """
+    if max_bytes < 10_000:
+        raise ValueError(f"data.max_bytes must be >= 10000, got {max_bytes}")
+    if val_every < 2:
+        raise ValueError(f"data.val_every must be >= 2 (every n-th file goes to validation), got {val_every}")
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    digest = hashlib.sha256(f"v1|{max_bytes}|{val_every}".encode())
+    texts: list[tuple[str, str]] = []
+    total = 0
+    for path in list_source_files(root):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text.strip():
+            continue
+        text = text[: max_bytes - total]
+        rel = path.relative_to(root).as_posix()
+        digest.update(rel.encode())
+        digest.update(text.encode("utf-8"))
+        texts.append((rel, text))
+        total += len(text)
+        if total >= max_bytes:
+            break
+    if not texts:
+        raise FileNotFoundError(f"no readable .py files under {root}; pass data.root= a folder of Python sources")
+    content_hash = digest.hexdigest()[:16]
+    cache_dir = Path(cache_dir)
+    stem = cache_dir / f"charlm-{content_hash}"
+    corpus = Corpus(Path(f"{stem}.train.bin"), Path(f"{stem}.val.bin"), {})
+    meta_path = Path(f"{stem}.json")
+    if meta_path.exists() and corpus.train_path.exists() and corpus.val_path.exists():
+        return Corpus(corpus.train_path, corpus.val_path, json.loads(meta_path.read_text()))
+
+    train_parts = [encode(t) for i, (_, t) in enumerate(texts) if i % val_every != val_every - 1]
+    val_parts = [encode(t) for i, (_, t) in enumerate(texts) if i % val_every == val_every - 1]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "content_hash": content_hash, "root": str(root), "files": len(texts),
+        "train_files": len(train_parts), "val_files": len(val_parts),
+        "train_tokens": int(sum(len(p) for p in train_parts)), "val_tokens": int(sum(len(p) for p in val_parts)),
+        "vocab_size": VOCAB_SIZE, "max_bytes": max_bytes, "val_every": val_every,
+    }
+    # write to temporary names and rename, so an interrupted build never leaves a half file behind
+    for path, parts in ((corpus.train_path, train_parts), (corpus.val_path, val_parts)):
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        np.concatenate(parts).astype(np.uint8).tofile(tmp)
+        os.replace(tmp, path)
+    tmp = meta_path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, meta_path)
+    return Corpus(corpus.train_path, corpus.val_path, meta)
+
+
+def unigram_cross_entropy(train: np.ndarray, val: np.ndarray) -> float:
+    """Cross-entropy (nats/char) of ``val`` under the add-one-smoothed character frequencies of ``train``.
+
+    The baseline a language model must beat: it knows which characters are common, nothing about order.
+    """
+    counts = np.bincount(np.asarray(train), minlength=VOCAB_SIZE).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    val_counts = np.bincount(np.asarray(val), minlength=VOCAB_SIZE)
+    return float(-(val_counts * logp).sum() / val_counts.sum())
+
+
+class TokenWindows(Dataset):
+    """Windows ``tokens[i*stride : i*stride + block_size + 1]`` split into (input, target) int64 tensors."""
+
+    def __init__(self, tokens: np.ndarray | torch.Tensor, block_size: int, stride: int | None = None) -> None:
+        self.tokens = tokens
+        self.block_size = block_size
+        self.stride = stride or block_size
+        if len(tokens) < block_size + 1:
+            raise ValueError(f"corpus has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}")
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - self.block_size - 1) // self.stride + 1
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.stride
+        chunk = torch.from_numpy(np.array(self.tokens[start : start + self.block_size + 1], dtype=np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+class CharLMDataModule(pl.LightningDataModule):
+    """Character-level LM data from the stdlib corpus (see :func:`build_corpus`).
+
+    Args:
+        cache_dir: Where the memory-mapped token arrays are cached.
+        block_size: Characters of context per sample.
+        batch_size: Micro-batch size per device.
+        max_bytes: Corpus size cap in characters.
+        val_every: Every n-th source file goes to validation.
+        train_stride: Offset between consecutive training windows (default ``block_size``).
+        max_val_windows: Cap on validation windows, so a validation pass stays short.
+        num_workers: DataLoader workers.
+        root: Source folder (default: this interpreter's standard library).
+    """
+
+    def __init__(
+        self,
+        cache_dir: str,
+        block_size: int = 64,
+        batch_size: int = 12,
+        max_bytes: int = 4_000_000,
+        val_every: int = 10,
+        train_stride: int | None = None,
+        max_val_windows: int = 512,
+        num_workers: int = 0,
+        root: str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_val_windows", max_val_windows)):
+            if value < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {value}")
+        self.save_hyperparameters()
+        self.batch_size = batch_size
+        self.block_size = block_size
+        self.corpus: Corpus | None = None
+        self.train_dataset: TokenWindows | None = None
+        self.val_dataset: torch.utils.data.Subset | None = None
+
+    def prepare_data(self) -> None:
+        build_corpus(self.hparams.cache_dir, self.hparams.max_bytes, self.hparams.val_every, self.hparams.root)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.corpus is not None:
+            return
+        self.corpus = build_corpus(self.hparams.cache_dir, self.hparams.max_bytes, self.hparams.val_every, self.hparams.root)
+        self.train_dataset = TokenWindows(self.corpus.train_tokens(), self.block_size, self.hparams.train_stride)
+        val = TokenWindows(self.corpus.val_tokens(), self.block_size)
+        # evenly spaced windows across the whole validation text, not just its head
+        idx = np.linspace(0, len(val) - 1, num=min(len(val), self.hparams.max_val_windows)).round().astype(int)
+        self.val_dataset = torch.utils.data.Subset(val, np.unique(idx).tolist())
+
+    def unigram_baseline(self) -> float:
+        self.setup()
+        return unigram_cross_entropy(self.corpus.train_tokens(), self.corpus.val_tokens())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True,
+                          num_workers=self.hparams.num_workers, drop_last=True,
+                          persistent_workers=self.hparams.num_workers > 0)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_dataset, batch_size=max(self.batch_size, 64), shuffle=False,
+                          num_workers=self.hparams.num_workers)
+
+    def describe(self) -> dict[str, Any]:
+        self.setup()
+        m = self.corpus.meta
+        return {
+            "data": f"charlm {m['content_hash']}: {m['train_tokens']:,} train / {m['val_tokens']:,} val chars "
+                    f"({m['train_files']}/{m['val_files']} files), block {self.block_size}",
+            "unigram baseline": f"{self.unigram_baseline():.4f} nats/char",
+        }

@@ -1,0 +1,53 @@
+"""Optimizer and LR-schedule wiring shared by the bundled LightningModules."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices and embeddings only; biases and norm weights are not decayed (as in nanoGPT)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
+                  min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up then cosine decay to ``min_lr_ratio`` of the base LR at ``total_steps``."""
+    if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"warmup_steps must be >= 0 and min_lr_ratio in [0, 1], got {warmup_steps}, {min_lr_ratio}")
+    total_steps = max(int(total_steps), 1)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def configure_optimizers(module: "torch.nn.Module", optimizer: OptimizerFactory | None,
+                         scheduler: Callable[..., Any] | None, weight_decay: float,
+                         total_steps: int) -> Any:
+    """Build the ``configure_optimizers`` return value from Hydra partials."""
+    if optimizer is None:
+        raise ValueError("model.optimizer is not set: pass a partial, e.g. optimizer=adamw in Hydra "
+                         "or functools.partial(torch.optim.AdamW, lr=1e-3) in Python")
+    opt = optimizer(param_groups(module, weight_decay))
+    if scheduler is None:
+        return opt
+    sched = scheduler(opt, total_steps=total_steps)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+
+def iter_params(groups: Iterable[dict[str, Any]]) -> Iterable[torch.Tensor]:
+    for g in groups:
+        yield from g["params"]

@@ -1,0 +1,163 @@
+"""Compose the pieces a Hydra config describes into a ``Trainer`` and run it.
+
+``scripts/train.py`` is a thin ``@hydra.main`` wrapper around :func:`train`; tests call
+:func:`train` directly on a composed config.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from lit_speed.run_summary import RunSummary
+from lit_speed.tables import print_table
+
+log = logging.getLogger(__name__)
+
+
+def _instantiate_group(node: DictConfig | None) -> list[Any]:
+    """A group node is one ``_target_`` object, a dict of them, or empty."""
+    if node is None:
+        return []
+    if "_target_" in node:
+        return [hydra.utils.instantiate(node)]
+    return [hydra.utils.instantiate(v) for v in node.values() if isinstance(v, DictConfig) and "_target_" in v]
+
+
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Instantiate datamodule, model, precision, strategy, callbacks, loggers and the Trainer."""
+    if cfg.get("seed") is not None:
+        pl.seed_everything(cfg.seed, workers=True)
+    datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    optimizer = hydra.utils.instantiate(cfg.optimizer)
+    model: pl.LightningModule = hydra.utils.instantiate(cfg.model, optimizer=optimizer)
+    # the model knows which metric it reports; the config may override it
+    if cfg.get("monitor") is None:
+        cfg.monitor = getattr(model, "monitor", None)
+    if cfg.get("monitor_mode") is None:
+        cfg.monitor_mode = getattr(model, "monitor_mode", "max")
+
+    trainer_kwargs: dict[str, Any] = {}
+    plugins: list[Any] = []
+    precision = cfg.get("precision")
+    if precision is not None and "_target_" in precision:
+        plugins.append(hydra.utils.instantiate(precision))
+    elif precision is not None:
+        trainer_kwargs["precision"] = precision.precision  # a Lightning precision literal
+
+    strategy_cfg = cfg.get("strategy")
+    if strategy_cfg is not None and "_target_" in strategy_cfg:
+        trainer_kwargs["strategy"] = hydra.utils.instantiate(strategy_cfg)
+    elif strategy_cfg is not None:
+        trainer_kwargs["strategy"] = strategy_cfg.name  # a Lightning strategy registry name
+
+    callbacks = _instantiate_group(cfg.get("callbacks")) + _instantiate_group(cfg.get("accumulation"))
+    run_summary = RunSummary(monitor=cfg.monitor, mode=cfg.monitor_mode)
+    callbacks.append(run_summary)
+    loggers = _instantiate_group(cfg.get("logger"))
+    trainer: pl.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=plugins or None, **trainer_kwargs
+    )
+    return {"datamodule": datamodule, "model": model, "trainer": trainer, "run_summary": run_summary,
+            "callbacks": callbacks, "loggers": loggers, "plugins": plugins}
+
+
+def _describe(obj: Any) -> dict[str, str]:
+    describe = getattr(obj, "describe", None)
+    return {str(k): str(v) for k, v in describe().items()} if callable(describe) else {}
+
+
+def _accumulation_factor(trainer: pl.Trainer, callbacks: list[Any]) -> int:
+    for cb in callbacks:
+        if isinstance(cb, pl.callbacks.GradientAccumulationScheduler):
+            return cb.get_accumulate_grad_batches(0)
+        factor = getattr(cb, "current_factor", None)
+        if isinstance(factor, int):
+            return factor
+    return trainer.accumulate_grad_batches
+
+
+def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
+    """One row per setting that changes speed or memory, with the derived effective batch."""
+    trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
+    micro = getattr(dm, "batch_size", None)
+    accum = _accumulation_factor(trainer, parts["callbacks"])
+    world = trainer.world_size
+    n_params = sum(p.numel() for p in model.parameters())
+    precision = trainer.precision_plugin
+    rows = {
+        "precision": getattr(precision, "precision", str(trainer.precision)),
+        "strategy": f"{type(trainer.strategy).__name__} on {type(trainer.accelerator).__name__} "
+                    f"({trainer.num_devices} device(s) x {trainer.num_nodes} node(s))",
+        "effective batch": f"{micro} micro x {accum} accumulation x {world} process(es) = {micro * accum * world}"
+        if micro else f"accumulation {accum}, world size {world}",
+        "model": f"{type(model).__name__}: {n_params:,} parameters",
+        "monitor": f"{cfg.monitor} ({cfg.monitor_mode})",
+    }
+    for part in [dm, precision, trainer.strategy, *parts["callbacks"]]:
+        rows.update(_describe(part))
+    return rows
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict."""
+    t0 = time.perf_counter()
+    parts = build(cfg)
+    trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
+    rows = startup_rows(cfg, parts)
+    print_table("lit_speed run", rows)
+
+    trainer.fit(model, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
+    summary = parts["run_summary"].summary(trainer)
+    if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run:
+        val = trainer.validate(model, datamodule=dm, verbose=False)
+        summary["final_val"] = {k: float(v) for k, v in (val[0] if val else {}).items()}
+    baseline = getattr(dm, "unigram_baseline", None)
+    if callable(baseline):
+        summary["unigram_baseline"] = baseline()
+    summary["total_wall_time_s"] = round(time.perf_counter() - t0, 3)
+    summary["startup"] = rows
+    summary["config"] = OmegaConf.to_container(cfg, resolve=True)
+    write_summary(cfg, trainer, summary)
+    return summary
+
+
+@rank_zero_only
+def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any]) -> None:
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=1))
+    rows = {
+        "wall time (fit)": f"{summary['fit_wall_time_s']:.1f} s ({summary['train_time_s']:.1f} s training)",
+        "throughput": f"{summary['samples_per_sec']:,.0f} samples/s"
+        + (f", {summary['tokens_per_sec']:,.0f} tokens/s" if summary.get("tokens_per_sec") else ""),
+        "peak memory (RSS)": f"{summary['peak_rss_bytes'] / 2**20:,.0f} MiB",
+        "optimizer steps": str(summary["global_step"]),
+        f"best {summary['monitor']}": "n/a" if summary["best_val"] is None
+        else f"{summary['best_val']:.4f} (step {summary['best_step']})",
+    }
+    for key, value in summary.get("final_val", {}).items():
+        rows[f"final {key}"] = f"{value:.4f}"
+    if "unigram_baseline" in summary:
+        rows["unigram baseline val/loss"] = f"{summary['unigram_baseline']:.4f}"
+    rows["summary"] = str(out / "summary.json")
+    print_table("lit_speed summary", rows)
+
+
+def optimized_metric(cfg: DictConfig, summary: dict[str, Any]) -> float | None:
+    """The value Hydra sweepers optimise: the monitor's final validation value, else its best value."""
+    final = summary.get("final_val", {})
+    value = final.get(cfg.monitor, summary.get("best_val"))
+    return None if value is None else float(value)
+

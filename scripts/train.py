@@ -1,0 +1,41 @@
+"""Train from the Hydra config in ``conf/`` (see README): ``python scripts/train.py [overrides]``."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("LIT_SPEED_ROOT", str(ROOT))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # GPU users: DeepSpeed still auto-detects CUDA when this is unset
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from lit_speed.config_check import ConfigError, preflight  # noqa: E402
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    from hydra.errors import InstantiationException
+
+    from lit_speed.runner import optimized_metric, train
+
+    try:
+        summary = train(cfg)
+    except InstantiationException as error:
+        # a component refused its arguments: show its own message, not Hydra's wrapper
+        cause = error.__cause__ or error
+        raise ConfigError(f"{type(cause).__name__}: {cause}") from None
+    return optimized_metric(cfg, summary)
+
+
+if __name__ == "__main__":
+    try:
+        preflight(sys.argv[1:])
+    except ConfigError as error:
+        print(f"Config error: {error}", file=sys.stderr)
+        sys.exit(2)
+    main()
