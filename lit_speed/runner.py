@@ -126,6 +126,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     baseline = getattr(dm, "unigram_baseline", None)
     if callable(baseline):
         summary["unigram_baseline"] = baseline()
+    for part in [trainer.precision_plugin, trainer.strategy, *parts["callbacks"]]:
+        # components report their own end-of-run numbers (loss scale, verdicts, stop reason, ...)
+        extra = getattr(part, "final_summary", None)
+        if callable(extra):
+            summary.setdefault("components", {})[type(part).__name__] = extra()
     summary["total_wall_time_s"] = round(time.perf_counter() - t0, 3)
     summary["startup"] = rows
     summary["config"] = OmegaConf.to_container(cfg, resolve=True)
