@@ -13,9 +13,10 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.run_summary import RunSummary
 from lit_speed.tables import print_table
 
@@ -62,6 +63,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     run_summary = RunSummary(monitor=cfg.monitor, mode=cfg.monitor_mode)
     callbacks.append(run_summary)
     loggers = _instantiate_group(cfg.get("logger"))
+    if not loggers:
+        dropped = [cb for cb in callbacks if isinstance(cb, pl.callbacks.LearningRateMonitor)]
+        if dropped:
+            rank_zero_warn("logger=none: LearningRateMonitor removed (it has no logger to write to)")
+            callbacks = [cb for cb in callbacks if cb not in dropped]
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=plugins or None, **trainer_kwargs
     )
@@ -118,7 +124,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     rows = startup_rows(cfg, parts)
     print_table("lit_speed run", rows)
 
-    trainer.fit(model, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
+    # ckpt_path=last -> the newest checkpoint that verifies (damaged ones are skipped with a warning)
+    trainer.fit(model, datamodule=dm, ckpt_path=resolve_ckpt_path(cfg.get("ckpt_path"), trainer))
     summary = parts["run_summary"].summary(trainer)
     if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run:
         val = trainer.validate(model, datamodule=dm, verbose=False)

@@ -1,0 +1,53 @@
+"""Shared fixtures: compose the real Hydra config from conf/, shrunk, with outputs in tmp_path."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+os.environ.setdefault("LIT_SPEED_ROOT", str(ROOT))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:
+    """The config ``scripts/train.py <overrides>`` would run, writing into ``output_dir``."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(output_dir)
+        cfg.hydra.job.num = 0
+    HydraConfig().set_config(cfg)  # lets ${hydra:runtime.output_dir} resolve outside @hydra.main
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(output_dir)
+        cfg.paths.log_dir = str(output_dir / "logs")
+        del cfg.hydra
+    return cfg
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    """``make_cfg(["data=charlm", ...])`` -> a composed config writing into ``tmp_path``."""
+
+    def _make(overrides: list[str] | None = None) -> DictConfig:
+        return compose_config(list(overrides or []), tmp_path)
+
+    yield _make
+    GlobalHydra.instance().clear()
+
+
+def run_train_script(args: list[str], cwd: Path | None = None, timeout: float = 300, env: dict | None = None):
+    """Run ``scripts/train.py`` in a fresh interpreter; returns the CompletedProcess (text)."""
+    import subprocess
+
+    full_env = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args], cwd=cwd or ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=full_env)

@@ -1,0 +1,84 @@
+"""scripts/train.py end to end: default run quality, experiments, multirun, bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lit_speed.config_check import ConfigError, preflight
+from lit_speed.runner import train
+from tests.conftest import CONF, run_train_script
+
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def test_default_digits_run_reaches_95_percent(make_cfg, tmp_path):
+    summary = train(make_cfg(["logger=none"]))
+    assert summary["final_val"]["val/acc"] >= 0.95, summary["final_val"]
+    assert summary["global_step"] == 20 * 23  # 20 epochs x ceil(1438 / 64) batches
+    assert summary["samples"] == 20 * 1438
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["final_val"] == summary["final_val"]
+    assert written["config"]["data"]["_target_"].endswith("DigitsDataModule")
+
+
+def test_charlm_beats_unigram_baseline_in_200_steps(make_cfg):
+    summary = train(make_cfg(["experiment=charlm_cpu", "trainer.max_steps=200", "logger=none", "callbacks=none"]))
+    val_loss = summary["final_val"]["val/loss"]
+    print(f"val/loss {val_loss:.4f} vs unigram baseline {summary['unigram_baseline']:.4f}")
+    assert val_loss < summary["unigram_baseline"]
+    assert summary["tokens"] == 200 * 12 * 64
+
+
+@pytest.mark.parametrize("experiment", [None, *EXPERIMENTS])
+def test_train_script_fast_dev_run(tmp_path, experiment):
+    args = ["trainer.fast_dev_run=true", f"hydra.run.dir={tmp_path}"]
+    if experiment:
+        args.insert(0, f"experiment={experiment}")
+    result = run_train_script(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["global_step"] == 1
+    assert "lit_speed run" in result.stdout and "effective batch" in result.stdout
+
+
+def test_multirun_writes_one_summary_per_job(tmp_path):
+    result = run_train_script(["-m", "precision=32-true,bf16-mixed", "trainer.fast_dev_run=true",
+                               f"hydra.sweep.dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    precisions = sorted(json.loads((tmp_path / str(i) / "summary.json").read_text())["startup"]["precision"]
+                        for i in range(2))
+    assert len(precisions) == 2 and precisions[0] != precisions[1]
+
+
+@pytest.mark.parametrize(("override", "must_name"), [
+    ("precision=fp8", ["fp8", "precision", "32-true", "bf16-mixed", "16-mixed"]),
+    ("strategy=zero4", ["zero4", "zero1", "zero2_offload"]),
+    ("trainer.max_step=5", ["max_step", "trainer.max_steps", "+trainer.max_step=5"]),
+    ("data.batchsize=8", ["batchsize", "data.batch_size"]),
+])
+def test_preflight_names_bad_value_and_choices(override, must_name):
+    with pytest.raises(ConfigError) as info:
+        preflight([override])
+    for word in must_name:
+        assert word in str(info.value), f"{word!r} missing from: {info.value}"
+
+
+def test_preflight_checks_the_first_value_of_a_sweep():
+    with pytest.raises(ConfigError, match="unknown option 'fp8' for group 'precision'"):
+        preflight(["-m", "precision=fp8,32-true"])
+    preflight(["-m", "precision=32-true,bf16-mixed", "hydra.sweep.dir=/tmp/x"])  # valid: no error
+
+
+def test_unknown_option_exits_with_one_clear_message(tmp_path):
+    result = run_train_script(["precision=fp8", f"hydra.run.dir={tmp_path}"], timeout=120)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "unknown option 'fp8' for group 'precision'. Valid choices:" in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 3, result.stderr
+
+
+def test_component_value_error_is_reported_without_hydra_wrapper(tmp_path):
+    result = run_train_script(["data.batch_size=0", f"hydra.run.dir={tmp_path}"], timeout=120)
+    assert result.returncode != 0
+    assert "data.batch_size must be >= 1, got 0" in result.stderr
