@@ -14,7 +14,7 @@ have_all() {  # every runtime (and test) dependency importable and lit_speed ins
 import importlib, importlib.metadata as md, sys
 mods = ["torch", "lightning", "deepspeed", "torchmetrics", "hydra", "psutil", "rich", "sklearn", "matplotlib", "ninja"]
 if "test" in ",".join(sys.argv[1:]).split(","):
-    mods += ["pytest", "pytest_timeout", "hydra_plugins.hydra_optuna_sweeper"]
+    mods += ["pytest", "pytest_timeout", "tensorboard", "hydra_plugins.hydra_optuna_sweeper"]
 for m in mods:
     importlib.import_module(m)
 md.version("lit_speed")
