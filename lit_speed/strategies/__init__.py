@@ -1,0 +1,1 @@
+"""Distributed strategies: :class:`~lit_speed.strategies.zero_strategy.ZeroStrategy` (DeepSpeed ZeRO 1-3)."""

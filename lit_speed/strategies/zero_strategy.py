@@ -1,0 +1,296 @@
+"""DeepSpeed ZeRO stages 1-3, with CPU offload, on GPUs and on CPU-only machines."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lit_speed.strategies import _lightning_compat as compat
+from lit_speed.strategies.memory_estimate import (
+    ZeroMemoryEstimate,
+    estimate_zero_memory,
+    format_bytes,
+    measured_optimizer_state_bytes,
+)
+from lit_speed.strategies.zero_config import (
+    PRECISIONS,
+    check_offload_optimizer,
+    check_precision,
+    fp16_section,
+    merge_config,
+    validate_config,
+)
+
+# Non-finite policies DeepSpeed itself honours: its fp16 dynamic loss scaler skips overflowing steps.
+_HONOURED_NONFINITE = {"16-mixed": ("skip",), "16-true": ("skip",)}
+
+
+class ZeroStrategy(DeepSpeedStrategy):
+    """Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, checked up front and runnable on CPU.
+
+    Adds to Lightning's strategy: the CPU accelerator (DeepSpeed's CPU backend over gloo, 1 or more processes),
+    validation of the DeepSpeed config and of offload/precision combinations before anything heavy starts,
+    a per-rank memory estimate for the start-up table, gradient accumulation that follows
+    ``trainer.accumulate_grad_batches`` even when a callback changes it mid-run, and precision taken from any
+    precision plugin exposing ``.precision`` (e.g. ``lit_speed.GuardedPrecision``).
+
+    Args:
+        stage: ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
+        offload_optimizer: Keep optimizer state in CPU RAM and step it there (needs ``DeepSpeedCPUAdam``).
+        offload_parameters: Keep parameters in CPU RAM (stage 3 only).
+        pin_memory: Page-locked host buffers for offload (faster host-device copies; a no-op on CPU).
+        contiguous_gradients: Copy gradients into one buffer as they are produced (less fragmentation).
+        overlap_comm: Overlap gradient reduction with the backward pass.
+        allgather_bucket_size: Elements gathered at once (smaller = less memory, more messages).
+        reduce_bucket_size: Elements reduced at once (smaller = less memory, more messages).
+        sub_group_size: Stage 3: parameters stepped at a time by the offloaded optimizer.
+        config: Raw DeepSpeed config (dict or JSON path), deep-merged over the settings above; unknown keys
+            are refused (DeepSpeed would silently ignore them).
+        build_shm_comm: On CPU, JIT-build DeepSpeed's shared-memory collectives (~66 s cold) instead of
+            plain gloo. Faster all-reduce for large models on one machine.
+        load_full_weights: Stage 3: resume from a single consolidated file instead of a sharded directory.
+        logging_level: DeepSpeed's log level.
+        process_group_backend: ``None`` = nccl on CUDA, gloo on CPU.
+        precision_plugin: A precision plugin; any plugin with ``.precision`` is converted to DeepSpeed's.
+        **kwargs: Further :class:`DeepSpeedStrategy` arguments (e.g. ``loss_scale``, ``cluster_environment``).
+
+    Raises:
+        ValueError: On an invalid stage, unknown config keys, parameter offload below stage 3, stage-3
+            incompatibilities; at setup: fp16 on CPU, offload with an optimizer that cannot run on CPU.
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=2, precision="bf16-mixed",
+                          strategy=ZeroStrategy(stage=2))
+    """
+
+    strategy_name = "lit_speed_zero"
+
+    def __init__(self, stage: int = 2, offload_optimizer: bool = False, offload_parameters: bool = False,
+                 pin_memory: bool = True, contiguous_gradients: bool = True, overlap_comm: bool = True,
+                 allgather_bucket_size: int = 200_000_000, reduce_bucket_size: int = 200_000_000,
+                 sub_group_size: int = 1_000_000_000, config: Mapping[str, Any] | str | Path | None = None,
+                 build_shm_comm: bool = False, load_full_weights: bool = False, logging_level: int = logging.WARN,
+                 process_group_backend: str | None = None, precision_plugin: Precision | None = None,
+                 **kwargs: Any) -> None:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be one of (1, 2, 3), got {stage!r}; for no sharding use strategy=ddp")
+        self._source_precision: Any = None
+        super().__init__(stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
+                         pin_memory=pin_memory, contiguous_gradients=contiguous_gradients, overlap_comm=overlap_comm,
+                         allgather_bucket_size=allgather_bucket_size, reduce_bucket_size=reduce_bucket_size,
+                         sub_group_size=sub_group_size, load_full_weights=load_full_weights,
+                         logging_level=logging_level, process_group_backend=process_group_backend,
+                         precision_plugin=precision_plugin, **kwargs)
+        self.config = merge_config(self.config, _read_config(config))
+        validate_config(self.config)
+        self.build_shm_comm = build_shm_comm
+        self._estimate: ZeroMemoryEstimate | None = None
+
+    # -- settings derived from the config -------------------------------------------------------------------
+    @property
+    def stage(self) -> int:
+        return int(self.config["zero_optimization"]["stage"])
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return bool(self.config["zero_optimization"].get("offload_optimizer"))
+
+    @property
+    def offload_parameters(self) -> bool:
+        return bool(self.config["zero_optimization"].get("offload_param"))
+
+    # -- precision: take over any plugin that names a Lightning precision literal ----------------------------
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return Strategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is not None and not isinstance(plugin, DeepSpeedPrecision):
+            literal = getattr(plugin, "precision", None)
+            if literal not in PRECISIONS:
+                raise ValueError(f"ZeroStrategy needs a precision plugin whose .precision is one of {PRECISIONS}, "
+                                 f"got {type(plugin).__name__} with precision={literal!r}")
+            self._source_precision = plugin
+            plugin = DeepSpeedPrecision(literal)
+        Strategy.precision_plugin.fset(self, plugin)
+
+    def _apply_source_precision(self) -> None:
+        """fp16 loss-scale settings from the source plugin's ``scaler_config``; its non-finite policy checked."""
+        source, literal = self._source_precision, self.precision_plugin.precision
+        if source is None:
+            return
+        if literal.startswith("16-") and "fp16" not in self.config:
+            self.config["fp16"] = fp16_section(getattr(source, "scaler_config", None))
+        policy = getattr(source, "on_nonfinite", None)
+        if policy in (None, "ignore") or policy in _HONOURED_NONFINITE.get(literal, ()):
+            return
+        if literal.startswith("16-"):
+            raise ValueError(f"on_nonfinite={policy!r} cannot be honoured by ZeroStrategy with precision={literal!r}:"
+                             " DeepSpeed's fp16 loss scaler always skips the step; set on_nonfinite='skip'")
+        rank_zero_warn(f"on_nonfinite={policy!r} is not applied under ZeroStrategy with precision={literal!r}: "
+                       "DeepSpeed does not check gradients for inf/NaN outside fp16. Set trainer.gradient_clip_val "
+                       "and watch train/loss.")
+
+    # -- CPU support: the three points where Lightning's DeepSpeedStrategy assumes CUDA ---------------------
+    @override
+    def setup_environment(self) -> None:
+        on_cpu = isinstance(self.accelerator, CPUAccelerator)
+        if not on_cpu and not isinstance(self.accelerator, CUDAAccelerator):
+            raise RuntimeError(f"ZeroStrategy runs on CPUAccelerator or CUDAAccelerator, got "
+                               f"{type(self.accelerator).__name__}")
+        check_precision(self.precision_plugin.precision, "cpu" if on_cpu else "cuda")
+        if on_cpu:
+            _check_deepspeed_accelerator_is_cpu()
+        self._apply_source_precision()
+        # skip DeepSpeedStrategy's CUDA-only check; the rest of the environment setup is DDP's
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_distributed()
+            return
+        # as DeepSpeedStrategy.setup_distributed, without its device-index check (CPU devices have no index)
+        reset_seed()
+        self.set_world_ranks()
+        if not self.build_shm_comm:
+            compat.skip_shm_comm_build()
+        compat.init_deepspeed_distributed(self)
+
+    def _adjust_initialize(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        optimizer = kwargs.get("optimizer")
+        if optimizer is not None:
+            check_offload_optimizer(optimizer, self.offload_optimizer)
+        if isinstance(self.accelerator, CPUAccelerator):
+            kwargs = compat.with_device_rank(kwargs, self.local_rank)
+        return kwargs
+
+    @override
+    def init_deepspeed(self) -> None:
+        self._log_estimate()
+        with compat.intercept_deepspeed_initialize(self._adjust_initialize):
+            super().init_deepspeed()
+
+    # -- gradient accumulation: Lightning decides, DeepSpeed follows ---------------------------------------
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Lightning already divided the loss by accumulate_grad_batches; DeepSpeed would divide it again
+        # (Lightning #6170), which shrinks every accumulated gradient by the factor.
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        trainer = self.lightning_module.trainer
+        set_accumulation(self.deepspeed_engine, trainer.accumulate_grad_batches)
+        self.deepspeed_engine.set_gradient_accumulation_boundary(not compat.should_accumulate(trainer))
+
+    # -- reporting -----------------------------------------------------------------------------------------
+    def memory_estimate(self, num_params: int) -> ZeroMemoryEstimate:
+        """Per-rank bytes of model states for this stage, offload, precision and world size."""
+        return estimate_zero_memory(num_params, self.stage, self.world_size, self.precision_plugin.precision,
+                                    self.offload_optimizer, self.offload_parameters)
+
+    def _log_estimate(self) -> None:
+        module = self.lightning_module
+        if module is None:
+            return
+        n = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        self._estimate = est = self.memory_estimate(n)
+        rank_zero_info(f"ZeRO-{self.stage} model states per rank: params {format_bytes(est.params_bytes)}, grads "
+                       f"{format_bytes(est.grads_bytes)}, optimizer {format_bytes(est.optimizer_bytes)} "
+                       f"({format_bytes(est.offloaded_bytes)} in host RAM)")
+
+    def describe(self, model: torch.nn.Module | None = None) -> dict[str, str]:
+        """Rows for the start-up table: stage/offload and the per-rank model-state estimate vs plain DDP."""
+        offload = [name for name, on in (("optimizer", self.offload_optimizer),
+                                         ("parameters", self.offload_parameters)) if on]
+        rows = {"zero": f"stage {self.stage}, offload: {', '.join(offload) or 'none'}, "
+                        f"{self.world_size} rank(s), {self.precision_plugin.precision}"}
+        model = model if model is not None else self.lightning_module
+        if model is not None:
+            n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            est, ddp = self.memory_estimate(n), estimate_zero_memory(n, 0, 1, self.precision_plugin.precision)
+            rows["zero model states / rank"] = (
+                f"params {format_bytes(est.params_bytes)} + grads {format_bytes(est.grads_bytes)} + optimizer "
+                f"{format_bytes(est.optimizer_bytes)} = {format_bytes(est.total_bytes)} "
+                f"({format_bytes(est.offloaded_bytes)} in host RAM; DDP: {format_bytes(ddp.total_bytes)})")
+        else:
+            est, ddp = self.memory_estimate(1_000_000), estimate_zero_memory(1_000_000, 0, 1,
+                                                                             self.precision_plugin.precision)
+            rows["zero model states / rank"] = (f"{est.total_bytes / 1e6:.2f} bytes/param "
+                                                f"({est.offloaded_bytes / 1e6:.2f} in host RAM; DDP: "
+                                                f"{ddp.total_bytes / 1e6:.2f})")
+        if self._source_precision is not None:
+            rows["zero precision"] = (f"{type(self._source_precision).__name__} -> DeepSpeed "
+                                      f"{self.precision_plugin.precision}")
+        return rows
+
+    def final_summary(self) -> dict[str, Any]:
+        """Stage, offload, estimated and measured per-rank optimizer state, skipped steps, engine accumulation."""
+        summary: dict[str, Any] = {"stage": self.stage, "offload_optimizer": self.offload_optimizer,
+                                   "offload_parameters": self.offload_parameters, "world_size": self.world_size}
+        if self._estimate is not None:
+            summary["estimated_optimizer_state_bytes_per_rank"] = self._estimate.optimizer_bytes
+        if self.optimizers:
+            summary["measured_optimizer_state_bytes_rank0"] = measured_optimizer_state_bytes(self.optimizers[0])
+        engine = self.model
+        if hasattr(engine, "skipped_steps"):
+            summary["skipped_steps"] = int(engine.skipped_steps)
+            summary["gradient_accumulation_steps"] = int(engine.gradient_accumulation_steps())
+        return summary
+
+
+def set_accumulation(engine: Any, factor: int) -> None:
+    """Change a DeepSpeed engine's gradient-accumulation steps at run time (keeps the micro-batch size).
+
+    ``DeepSpeedEngine.set_train_batch_size`` rewrites ``gradient_accumulation_steps`` in its config; the ZeRO
+    optimizer keeps its own copy (used for CPU-offload accumulation buffers), updated here as well.
+    """
+    if engine.gradient_accumulation_steps() == factor:
+        return
+    engine.set_train_batch_size(engine.train_micro_batch_size_per_gpu() * factor * engine.dp_world_size)
+    if hasattr(engine.optimizer, "gradient_accumulation_steps"):
+        engine.optimizer.gradient_accumulation_steps = factor
+
+
+def _read_config(config: Mapping[str, Any] | str | Path | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, (str, Path)):
+        if not os.path.isfile(config):
+            raise ValueError(f"ZeroStrategy(config=...) path does not exist: {config}; pass a JSON file or a dict")
+        return json.loads(Path(config).read_text())
+    try:  # a Hydra DictConfig: plain containers, interpolations resolved
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(config):
+            return OmegaConf.to_container(config, resolve=True)  # type: ignore[return-value]
+    except ImportError:  # pragma: no cover - omegaconf ships with hydra
+        pass
+    return dict(config)
+
+
+def _check_deepspeed_accelerator_is_cpu() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    if name != "cpu":
+        raise RuntimeError(f"trainer.accelerator=cpu but DeepSpeed selected the {name!r} accelerator; "
+                           "set the environment variable DS_ACCELERATOR=cpu before starting Python")
