@@ -1,0 +1,140 @@
+"""Input-pipeline options shared by the DataModules: workers, pinning, whole-batch fetching, batch transforms.
+
+Effect on this kind of workload (measured by ``benchmarks/bench_data_pipeline.py``): a small dataset kept
+as tensors and served a whole batch per index (one ``tensor[indices]`` instead of ``batch_size``
+``__getitem__`` calls plus a collate), with augmentation done once per batch after transfer instead of per
+sample on the CPU, is several times faster than the textbook ``Dataset`` + ``DataLoader`` loop.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data._utils.collate import default_collate
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (respects taskset/cgroup affinity where the OS reports it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def resolve_num_workers(value: int | str, preloaded: bool) -> int:
+    """``auto``: 0 for preloaded tensors (a worker only adds IPC), else one per spare core, at most 8.
+
+    Raises:
+        ValueError: If ``value`` is neither ``"auto"`` nor an int >= 0.
+    """
+    if value == "auto":
+        return 0 if preloaded else max(0, min(8, available_cores() - 1))
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"data.num_workers must be 'auto' or an int >= 0, got {value!r}")
+    return value
+
+
+def resolve_pin_memory(value: bool | str, trainer: Any = None) -> bool:
+    """``auto``: pin host memory only when batches go to a CUDA device (pinning costs time on CPU-only runs).
+
+    Raises:
+        ValueError: If ``value`` is neither ``"auto"`` nor a bool.
+    """
+    if value == "auto":
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        return device is not None and device.type == "cuda"
+    if not isinstance(value, bool):
+        raise ValueError(f"data.pin_memory must be 'auto', true or false, got {value!r}")
+    return value
+
+
+def loader_kwargs(num_workers: int, pin_memory: bool, persistent_workers: bool,
+                  prefetch_factor: int | None) -> dict[str, Any]:
+    """Keyword arguments for ``DataLoader``; refuses worker-only options without workers.
+
+    Raises:
+        ValueError: If ``persistent_workers`` or ``prefetch_factor`` is set while ``num_workers`` is 0.
+    """
+    if num_workers == 0 and (persistent_workers or prefetch_factor is not None):
+        raise ValueError(f"data.persistent_workers={persistent_workers} and data.prefetch_factor={prefetch_factor} "
+                         "need data.num_workers > 0 (they configure worker processes); set num_workers, or "
+                         "persistent_workers=false and prefetch_factor=null")
+    if prefetch_factor is not None and prefetch_factor < 1:
+        raise ValueError(f"data.prefetch_factor must be >= 1 or null, got {prefetch_factor}")
+    kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory,
+                              "persistent_workers": persistent_workers}
+    if prefetch_factor is not None:
+        kwargs["prefetch_factor"] = prefetch_factor
+    return kwargs
+
+
+class BatchFetch(Dataset):
+    """Index a dataset with a list of indices and get the whole batch back.
+
+    Tensor datasets are sliced in one indexing operation (``TensorDataset`` already supports it); a
+    dataset with a ``get_batch(indices)`` method uses that; anything else falls back to per-sample
+    ``__getitem__`` plus ``default_collate``. Use with ``DataLoader(BatchFetch(ds), sampler=<yields lists>,
+    batch_size=None)``.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: list[int]) -> Any:
+        if isinstance(self.dataset, TensorDataset):
+            return self.dataset[torch.as_tensor(indices)]
+        get_batch = getattr(self.dataset, "get_batch", None)
+        if callable(get_batch):
+            return get_batch(indices)
+        return default_collate([self.dataset[i] for i in indices])
+
+
+def preload(dataset: Dataset) -> TensorDataset:
+    """Materialise a small map-style dataset of tensors into one ``TensorDataset`` held in memory."""
+    if isinstance(dataset, TensorDataset):
+        return dataset
+    batch = default_collate([dataset[i] for i in range(len(dataset))])
+    fields = batch if isinstance(batch, (tuple, list)) else [batch]
+    return TensorDataset(*fields)
+
+
+def truncate_sequences(batch: Any, length: int) -> Any:
+    """Cut every tensor of ``batch`` with a time axis (``ndim >= 2``) to its first ``length`` positions."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:, :length] if batch.ndim >= 2 else batch
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(truncate_sequences(b, length) for b in batch)
+    if isinstance(batch, dict):
+        return {k: truncate_sequences(v, length) for k, v in batch.items()}
+    return batch
+
+
+def jitter_images(batch: tuple[torch.Tensor, torch.Tensor], side: int = 8, max_shift: int = 1, noise: float = 0.05,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectorised augmentation of flattened ``side x side`` images: a random shift of up to ``max_shift``
+    pixels per image (zero-filled) plus Gaussian pixel noise, for the whole batch in a few tensor ops.
+
+    Meant as a ``batch_transform`` (applied after transfer, on the device). Labels are returned unchanged.
+    """
+    x, y = batch
+    n = x.shape[0]
+    img = x.view(n, 1, side, side)
+    pad = torch.nn.functional.pad(img, (max_shift,) * 4)
+    shifts = torch.randint(0, 2 * max_shift + 1, (n, 2), generator=generator, device=x.device)
+    rows = (shifts[:, :1] + torch.arange(side, device=x.device)).view(n, 1, side, 1).expand(n, 1, side, side + 2 * max_shift)
+    out = pad.gather(2, rows)
+    cols = (shifts[:, 1:] + torch.arange(side, device=x.device)).view(n, 1, 1, side).expand(n, 1, side, side)
+    out = out.gather(3, cols)
+    if noise:
+        out = out + noise * torch.randn(out.shape, generator=generator, device=x.device)
+    return out.reshape(n, side * side), y
+
+
+def apply_batch_transform(transform: Callable[[Any], Any] | None, batch: Any, training: bool) -> Any:
+    """Apply a batch-level transform to training batches only (validation sees the data as it is)."""
+    return transform(batch) if transform is not None and training else batch
