@@ -1,0 +1,190 @@
+"""One callback for what happens when things go wrong: atomic checkpoints and non-finite reporting."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+from typing_extensions import override
+
+from lit_speed.checkpointing.atomic_checkpoint_io import AtomicCheckpointIO
+from lit_speed.checkpointing.resume import checkpoint_folders, last_good_checkpoint, rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+NONFINITE_POLICIES = ("warn", "raise")
+# substrings of the errors torch raises when an allocation fails (CPU allocator, CUDA caching allocator)
+OUT_OF_MEMORY_MARKERS = ("can't allocate memory", "out of memory", "not enough memory", "std::bad_alloc")
+# ... and when a collective's peer process died or stopped answering (gloo, NCCL, the TCP store)
+LOST_PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
+                     "timeout", "nccl", "socket")
+
+
+def classify_failure(exception: BaseException, world_size: int = 1) -> str | None:
+    """``"out_of_memory"``, ``"lost_peer"`` (only when ``world_size > 1``) or ``None`` for anything else."""
+    text = str(exception).lower()
+    if isinstance(exception, MemoryError) or any(m in text for m in OUT_OF_MEMORY_MARKERS):
+        return "out_of_memory"
+    if world_size > 1 and isinstance(exception, (RuntimeError, ConnectionError, TimeoutError)) and any(
+            m in text for m in LOST_PEER_MARKERS):
+        return "lost_peer"
+    return None
+
+
+def out_of_memory_advice(micro_batch: int | None) -> str:
+    """What to try after an out-of-memory, cheapest first."""
+    halve = f"data.batch_size={max(micro_batch // 2, 1)}" if micro_batch else "a smaller data.batch_size"
+    return (f"Fix: {halve} with accumulation=fixed to keep the effective batch, or add activation checkpointing, "
+            "bf16 precision or a ZeRO strategy with offload; lit_speed.plan(model, batch, budget_bytes=...) "
+            "ranks these settings by measured memory.")
+
+
+def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of parameters holding a NaN or an infinity (of this process's shard, under ZeRO-3)."""
+    return [name for name, p in module.named_parameters() if p.numel() and not torch.isfinite(p.detach()).all()]
+
+
+def loss_value(outputs: Any) -> torch.Tensor | None:
+    """The loss a ``training_step`` returned (a tensor, or a dict with ``"loss"``), else ``None``."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+class FaultTolerance(Callback):
+    """Make checkpoints atomic and make sure no run ends with non-finite weights without saying so.
+
+    At ``setup`` the strategy's plain ``TorchCheckpointIO`` is replaced by :class:`AtomicCheckpointIO`
+    (a user's own ``CheckpointIO`` is left alone; DeepSpeed writes its own checkpoint folders and is not
+    covered). Every ``check_every_n_steps`` training batches the loss is checked; at the end of fit the
+    weights are. Non-finite weights at the end are reported (``"warn"``: a warning and ``summary.json``)
+    or end the run with an error (``"raise"``). What to do *during* training about an overflow is the
+    precision plugin's policy (``GuardedPrecision(on_nonfinite=...)``), not this callback's.
+
+    Args:
+        atomic_checkpoints: Install :class:`AtomicCheckpointIO`.
+        keep_previous: Keep the version each save replaces as ``<file>.prev`` (resume falls back to it).
+        restore_rng: Save the random-number-generator states (torch, numpy, python; rank 0's) with every
+            checkpoint and restore them on resume, so that a run resumed from an end-of-epoch checkpoint
+            shuffles and drops out exactly as the uninterrupted run.
+        check_every_n_steps: How often the training loss is checked (each check reads the loss on the host,
+            which synchronises a GPU). ``0`` = never; the weights are still checked at the end.
+        on_nonfinite_weights: ``"warn"`` or ``"raise"`` when the weights are non-finite at the end of fit.
+
+    Raises:
+        ValueError: On an unknown policy or a negative interval.
+
+    Example::
+
+        trainer = Trainer(callbacks=[FaultTolerance(), ModelCheckpoint(save_last=True)])
+    """
+
+    def __init__(self, atomic_checkpoints: bool = True, keep_previous: bool = True, restore_rng: bool = True,
+                 check_every_n_steps: int = 1, on_nonfinite_weights: str = "warn") -> None:
+        if on_nonfinite_weights not in NONFINITE_POLICIES:
+            raise ValueError(f"callbacks.fault_tolerance.on_nonfinite_weights must be one of {NONFINITE_POLICIES}, "
+                             f"got {on_nonfinite_weights!r}. Fix: on_nonfinite_weights=warn (report) or raise (fail).")
+        if not isinstance(check_every_n_steps, int) or check_every_n_steps < 0:
+            raise ValueError(f"callbacks.fault_tolerance.check_every_n_steps must be an int >= 0 (0 = never), "
+                             f"got {check_every_n_steps!r}. Fix: check_every_n_steps=1.")
+        self.atomic_checkpoints = atomic_checkpoints
+        self.keep_previous = keep_previous
+        self.restore_rng = restore_rng
+        self.check_every_n_steps = check_every_n_steps
+        self.on_nonfinite_weights = on_nonfinite_weights
+        self.checkpoint_io_name = "not set up"
+        self.nonfinite_losses = 0
+        self.first_nonfinite_loss_step: int | None = None
+        self.nonfinite_weights: list[str] = []
+        self.failure: str | None = None
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        strategy = trainer.strategy
+        # runs before Lightning restores ckpt_path, so the resume itself is verified too
+        if self.atomic_checkpoints and type(strategy.checkpoint_io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO(keep_previous=self.keep_previous)
+        self.checkpoint_io_name = type(strategy.checkpoint_io).__name__
+        if "DeepSpeed" in type(strategy).__name__:
+            self.checkpoint_io_name += " (unused: DeepSpeed writes its own folders)"
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if not self.check_every_n_steps or batch_idx % self.check_every_n_steps:
+            return
+        loss = loss_value(outputs)
+        if loss is not None and not math.isfinite(float(loss)):
+            self.nonfinite_losses += 1
+            if self.first_nonfinite_loss_step is None:
+                self.first_nonfinite_loss_step = trainer.global_step
+                rank_zero_warn(f"Non-finite training loss ({float(loss)}) at step {trainer.global_step}.")
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.nonfinite_weights = nonfinite_parameters(pl_module)
+        if not self.nonfinite_weights:
+            return
+        first = ("" if self.first_nonfinite_loss_step is None
+                 else f" The first non-finite loss was at step {self.first_nonfinite_loss_step}.")
+        message = (f"Training ended with non-finite weights in {len(self.nonfinite_weights)} parameter(s) "
+                   f"({', '.join(self.nonfinite_weights[:3])}{', ...' if len(self.nonfinite_weights) > 3 else ''})."
+                   f"{first} The model is unusable. Fix: lower the learning rate, set trainer.gradient_clip_val, "
+                   "or use a precision plugin that skips non-finite steps.")
+        if self.on_nonfinite_weights == "raise":
+            raise RuntimeError(message)
+        rank_zero_warn(message)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        kind = classify_failure(exception, trainer.world_size)
+        if kind is None:
+            return
+        first_line = str(exception).strip().splitlines()[0][:300] if str(exception).strip() else ""
+        where = f"at step {trainer.global_step} ({type(exception).__name__}: {first_line})"
+        if kind == "out_of_memory":
+            self.failure = f"Out of memory {where}. " + out_of_memory_advice(
+                getattr(trainer.datamodule, "batch_size", None))
+        else:
+            try:
+                last = last_good_checkpoint(checkpoint_folders(trainer))
+            except Exception as error:  # a damaged checkpoint folder must not hide the original failure
+                last = f"none usable ({error})"
+            self.failure = (f"Lost contact with another process of this run {where}: a process died or stopped "
+                            f"answering. Last checkpoint that verifies: {last}. Fix: find the failed process in the "
+                            "logs, then resume with ckpt_path=last and the same run folder (hydra.run.dir=...).")
+        log.error(rank_prefixed_message(self.failure, trainer.global_rank))
+
+    def describe(self) -> dict[str, str]:
+        """Rows for the start-up table."""
+        io = ("atomic, CRC-verified" + (", previous kept as .prev" if self.keep_previous else "")
+              if self.atomic_checkpoints else "Lightning default")
+        return {"fault tolerance": f"checkpoints {io}; RNG {'saved' if self.restore_rng else 'not saved'}; "
+                                   f"non-finite weights at the end: {self.on_nonfinite_weights}"}
+
+    def final_summary(self) -> dict[str, Any]:
+        """End-of-run facts for ``summary.json``."""
+        return {"checkpoint_io": self.checkpoint_io_name, "nonfinite_losses": self.nonfinite_losses,
+                "first_nonfinite_loss_step": self.first_nonfinite_loss_step,
+                "nonfinite_weights": self.nonfinite_weights, "weights_finite": not self.nonfinite_weights,
+                "failure": self.failure}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = {"nonfinite_losses": self.nonfinite_losses, "first_nonfinite_loss_step": self.first_nonfinite_loss_step}
+        if self.restore_rng:
+            state["rng"] = rng_state()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.nonfinite_losses = state_dict.get("nonfinite_losses", 0)
+        self.first_nonfinite_loss_step = state_dict.get("first_nonfinite_loss_step")
+        if self.restore_rng and state_dict.get("rng") is not None:
+            # Lightning restores callbacks after seeding and before the first batch is drawn
+            set_rng_state(state_dict["rng"])

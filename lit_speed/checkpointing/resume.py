@@ -1,0 +1,140 @@
+"""Resolve ``ckpt_path=last`` to the newest checkpoint that verifies, skipping damaged ones with a warning.
+
+Lightning's own ``ckpt_path="last"`` picks the newest ``last*.ckpt`` by modification time and loads it
+as is: a truncated or bit-rotted file ends the resume with a zip error, and a damaged file that still
+parses is loaded silently. :func:`resolve_ckpt_path` is run before ``trainer.fit`` instead.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Iterable
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lit_speed.checkpointing.atomic_checkpoint_io import PREVIOUS_SUFFIX, CorruptCheckpointError, verify_checkpoint
+
+LIGHTNING_KEYWORDS = ("best", "hpc", "registry")  # ckpt_path values Lightning resolves itself
+
+
+def checkpoint_candidates(folders: Iterable[_PATH]) -> list[Path]:
+    """Every checkpoint in ``folders`` (``*.ckpt``, their ``.prev`` versions, DeepSpeed folders), newest first.
+
+    Newest means latest modification time, as in Lightning; a ``.prev`` hard link keeps the time of the
+    save that wrote it, so it sorts after the file that replaced it.
+    """
+    found: set[Path] = set()
+    for folder in folders:
+        folder = Path(folder)
+        if folder.is_dir():
+            found.update(p for p in folder.iterdir()
+                         if p.name.endswith(".ckpt") or p.name.endswith(".ckpt" + PREVIOUS_SUFFIX))
+    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name.startswith("last")), reverse=True)
+
+
+def last_good_checkpoint(folders: Iterable[_PATH]) -> Path | None:
+    """The newest checkpoint in ``folders`` that passes :func:`verify_checkpoint`; ``None`` if there is none.
+
+    Args:
+        folders: Checkpoint folders (the ``dirpath`` of each ``ModelCheckpoint``).
+
+    Raises:
+        CorruptCheckpointError: If checkpoints exist but every one of them is damaged.
+
+    Example::
+
+        ckpt = last_good_checkpoint(["logs/train/runs/x/checkpoints"])
+    """
+    candidates = checkpoint_candidates(folders)
+    problems = []
+    for path in candidates:
+        try:
+            verify_checkpoint(path)
+        except CorruptCheckpointError as error:
+            problems.append(str(error))
+            rank_zero_warn(f"{error} Trying the next older checkpoint.")
+            continue
+        if problems:
+            rank_zero_warn(f"Resuming from {path}, the newest checkpoint that verifies ({len(problems)} newer "
+                           "damaged file(s) skipped).")
+        return path
+    if problems:
+        raise CorruptCheckpointError(
+            f"ckpt_path=last: all {len(problems)} checkpoint(s) are damaged, so there is nothing to resume from. "
+            f"Fix: start from scratch with ckpt_path=null, or pass ckpt_path=<a good checkpoint>. First: {problems[0]}")
+    return None
+
+
+def checkpoint_folders(trainer: "pl.Trainer") -> list[Path]:
+    """The folders the Trainer's ``ModelCheckpoint`` callbacks write to (their ``dirpath``)."""
+    return [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]
+
+
+def resolve_ckpt_path(ckpt_path: _PATH | None, trainer: "pl.Trainer") -> _PATH | None:
+    """What to pass to ``trainer.fit(ckpt_path=...)``.
+
+    ``"last"`` becomes the newest checkpoint that verifies in the Trainer's checkpoint folders (``None``,
+    a fresh start, when there is none yet); an explicit file is verified; ``None`` and Lightning's other
+    keywords (``"best"``, ``"hpc"``, ``"registry"``) pass through.
+
+    Args:
+        ckpt_path: The configured ``ckpt_path``.
+        trainer: The Trainer about to fit; its ``ModelCheckpoint`` folders are searched.
+
+    Raises:
+        CorruptCheckpointError: If an explicit checkpoint, or every checkpoint for ``"last"``, is damaged.
+
+    Example::
+
+        trainer.fit(model, datamodule=dm, ckpt_path=resolve_ckpt_path("last", trainer))
+    """
+    if ckpt_path is None or ckpt_path in LIGHTNING_KEYWORDS or "://" in str(ckpt_path):
+        return ckpt_path
+    if ckpt_path == "last":
+        path = last_good_checkpoint(checkpoint_folders(trainer))
+        if path is None:
+            rank_zero_info("ckpt_path=last: no checkpoint yet in this run folder; starting from scratch.")
+        return None if path is None else str(path)
+    if not Path(ckpt_path).exists():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such file. Fix: pass an existing checkpoint, "
+                                "ckpt_path=last to resume this run folder, or ckpt_path=null to start fresh.")
+    verify_checkpoint(ckpt_path)
+    return ckpt_path
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random-number-generator states, in types ``torch.load(weights_only=True)`` accepts.
+
+    Lightning does not checkpoint them: without them a resumed run reshuffles its next epoch and draws
+    different dropout masks from the uninterrupted run, so resuming cannot be exact.
+    """
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured (keys missing from older checkpoints are left alone)."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

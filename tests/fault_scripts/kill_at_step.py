@@ -1,0 +1,55 @@
+"""A callback that SIGKILLs its own process at a chosen optimizer step: a preemption with no warning.
+
+Used by tests/test_faults_resume.py through a Hydra override (the test puts this folder on PYTHONPATH):
+``+callbacks.kill._target_=kill_at_step.KillAtStep +callbacks.kill.step=37``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+import lit_speed.checkpointing.atomic_checkpoint_io as atomic_io
+
+
+class _KillBeforeRename:
+    """Stands in for the ``os`` module inside atomic_checkpoint_io: every call passes through, except that
+    the rename of a finished temporary checkpoint over its destination kills the process instead."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    @staticmethod
+    def replace(src: Any, dst: Any) -> None:
+        if ".tmp-" in str(src):
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.replace(src, dst)
+
+
+class KillAtStep(Callback):
+    """SIGKILL this process once ``trainer.global_step`` reaches ``step`` (on rank ``rank`` only).
+
+    Args:
+        step: Optimizer step after which to die.
+        rank: Global rank that dies (the others are left to notice).
+        mode: ``"step"`` kills right after the batch; ``"before_rename"`` kills inside the next checkpoint
+            save, after the temporary file is written and before it replaces the old checkpoint.
+    """
+
+    def __init__(self, step: int, rank: int = 0, mode: str = "step") -> None:
+        if mode not in ("step", "before_rename"):
+            raise ValueError(f"mode must be 'step' or 'before_rename', got {mode!r}")
+        self.step, self.rank, self.mode = step, rank, mode
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step < self.step:
+            return
+        if self.mode == "step":
+            os.kill(os.getpid(), signal.SIGKILL)
+        atomic_io.os = _KillBeforeRename()
