@@ -1,0 +1,133 @@
+"""FLOPs per batch, and the peak the device could deliver: the two halves of MFU.
+
+- :class:`FlopCount` counts one forward+backward with ``torch.utils.flop_counter.FlopCounterMode``
+  (matmuls, convolutions, attention: the work that dominates a training step).
+- :func:`measure_cpu_peak_flops` times a short square matmul once per (dtype, threads) and caches it:
+  the CPU has no datasheet number we could look up, and its real peak depends on the ISA
+  (AVX2, AVX512, AMX) and on the thread count.
+- :func:`gpu_peak_flops` looks the GPU's name up in a table of dense datasheet peaks.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+# Dense (no sparsity) peak FLOP/s from NVIDIA datasheets, the same sources Lightning 2.6.6 cites in
+# lightning/fabric/utilities/throughput.py. Matched in order by substrings of the lower-case device name,
+# so the more specific names come first. "tf32" is fp32 matmuls run on tensor cores.
+_GPU_PEAKS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    (("h100", "pcie"), {"fp32": 51.2e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12}),
+    (("h100",), {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),  # SXM
+    (("h200",), {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),  # same GH100 compute
+    (("a100",), {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}),
+    (("l40s",), {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362e12, "fp16": 362e12}),
+    (("l40",), {"fp32": 90.5e12, "tf32": 90.5e12, "bf16": 181e12, "fp16": 181e12}),
+    (("l4",), {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12}),
+    (("rtx 4090",), {"fp32": 82.6e12, "tf32": 82.6e12, "bf16": 82.6e12, "fp16": 82.6e12}),
+    (("rtx 3090",), {"fp32": 35.6e12, "tf32": 35.6e12, "bf16": 35.6e12, "fp16": 35.6e12}),
+    (("v100",), {"fp32": 15.7e12, "fp16": 125e12}),  # no bf16 units
+    (("t4",), {"fp32": 8.1e12, "fp16": 65e12}),  # no bf16 units
+)
+
+_DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def compute_dtype(precision: str, device_type: str) -> torch.dtype:
+    """The dtype matmuls run in under a Lightning precision literal (``"bf16-mixed"``, ``"32-true"``, ...).
+
+    Lightning runs ``"16-mixed"`` as bfloat16 autocast on CPU, so that is what the CPU peak is measured in.
+    """
+    precision = str(precision)
+    if precision.startswith("bf16") or precision == "transformer-engine":
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.bfloat16 if device_type == "cpu" else torch.float16
+    if precision.startswith("64"):
+        return torch.float64
+    return torch.float32
+
+
+def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """Datasheet peak FLOP/s of a GPU by its name (``torch.cuda.get_device_name()``), or None if unknown.
+
+    Args:
+        name: Device name, e.g. ``"NVIDIA A100-SXM4-80GB"``.
+        dtype: Compute dtype of the matmuls.
+        tf32: fp32 matmuls run on tensor cores (``torch.get_float32_matmul_precision() != "highest"``).
+    """
+    key = _DTYPE_KEYS.get(dtype)
+    if key == "fp32" and tf32:
+        key = "tf32"
+    lowered = name.lower()
+    for patterns, peaks in _GPU_PEAKS:
+        if all(p in lowered for p in patterns):
+            return peaks.get(key) if key else None
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_cpu_peak(dtype: torch.dtype, threads: int, size: int, seconds: float) -> float:
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    flops = 2.0 * size**3
+    torch.mm(a, b)  # warm-up: first call allocates and picks the kernel
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    repeats = 0
+    while repeats < 3 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+        repeats += 1
+        if repeats >= 50:
+            break
+    return flops / best
+
+
+def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.2) -> float:
+    """Best-of-several square matmul rate (FLOP/s) on this CPU with the current thread count; cached per process.
+
+    The best repeat, not the median, because the peak is what MFU divides by: on a shared machine the
+    median would drift with other processes' load. A run that shares cores still sees a lower peak than
+    an idle machine; pass ``peak_flops`` to :class:`~lit_speed.DeviceStatsLogger` to pin it.
+
+    Raises:
+        ValueError: If ``size`` < 64 or ``seconds`` <= 0.
+    """
+    if size < 64:
+        raise ValueError(f"size must be >= 64 (a smaller matmul measures call overhead, not the peak), got {size}")
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    return _cached_cpu_peak(dtype, torch.get_num_threads(), size, seconds)
+
+
+class FlopCount:
+    """Count FLOPs between :meth:`start` and :meth:`stop`, which may be called from different hooks.
+
+    Example::
+
+        counter = FlopCount()
+        counter.start(); loss = model(x).sum(); loss.backward(); flops = counter.stop()
+    """
+
+    def __init__(self) -> None:
+        self._mode: FlopCounterMode | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def start(self) -> None:
+        self._mode = FlopCounterMode(display=False)
+        self._mode.__enter__()
+
+    def stop(self) -> int:
+        """Leave the counting mode; return the FLOPs counted (0 if it was not started)."""
+        if self._mode is None:
+            return 0
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        return int(mode.get_total_flops())

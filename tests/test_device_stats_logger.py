@@ -1,0 +1,216 @@
+"""DeviceStatsLogger through a real Trainer on CPU: verdicts on built-to-be-slow workloads, logged keys, resume."""
+from __future__ import annotations
+
+import csv
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lit_speed import DeviceStatsLogger
+from lit_speed.monitoring import METRICS
+from lit_speed.monitoring.samplers import NvmlSampler
+
+
+class Regression(pl.LightningModule):
+    """``layers`` square Linear layers of ``width``; optimizer chosen by the test."""
+
+    def __init__(self, width: int, layers: int, optimizer=partial(torch.optim.SGD, lr=0.01),
+                 val_sleep_s: float = 0.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        self.optimizer = optimizer
+        self.val_sleep_s = val_sleep_s
+        self.val_calls = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        time.sleep(self.val_sleep_s)  # a slow validation must not look like data wait
+        self.val_calls += 1
+
+    def configure_optimizers(self):
+        return self.optimizer(self.parameters())
+
+
+class Batches(Dataset):
+    """Whole batches prepared in memory (the "preloaded" case); ``sleep_s`` per batch makes a slow loader."""
+
+    def __init__(self, n: int, batch: int, width: int, sleep_s: float = 0.0) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.data = [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)) for _ in range(n)]
+        self.sleep_s = sleep_s
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        time.sleep(self.sleep_s)
+        return self.data[i]
+
+
+def fit(tmp_path: Path, model: pl.LightningModule, data: Dataset, steps: int, callback: DeviceStatsLogger,
+        logger: bool = False, val: Dataset | None = None, **trainer_kwargs) -> pl.Trainer:
+    trainer = pl.Trainer(max_steps=steps, callbacks=[callback], default_root_dir=tmp_path, accelerator="cpu",
+                         devices=1, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0,
+                         logger=CSVLogger(tmp_path, name="csv", version="") if logger else False, **trainer_kwargs)
+    val_loader = DataLoader(val, batch_size=None) if val is not None else None
+    trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=None, shuffle=False), val_dataloaders=val_loader)
+    return trainer
+
+
+def test_slow_dataloader_is_input_bound(tmp_path):
+    width = 16
+    cb = DeviceStatsLogger(interval=2, peak_flops=1e11)
+    fit(tmp_path, Regression(width, 1), Batches(8, 8, width, sleep_s=0.15), steps=6, callback=cb)
+    result = json.loads((tmp_path / "bottleneck.json").read_text())
+    assert result == json.loads(json.dumps(cb.final_summary()))
+    assert result["verdict"] == "input-bound", result["summary"]
+    assert result["evidence"]["batches"] == 5  # 6 steps, the first is warm-up (FLOP counting)
+    # 5 waits of >= 0.15 s were slept: the measured wait cannot be shorter
+    assert result["evidence"]["data_wait_s"] >= 5 * 0.15
+
+
+def test_compute_heavy_model_on_preloaded_data_is_compute_bound(tmp_path):
+    width, batch = 256, 256
+    cb = DeviceStatsLogger(interval=2)
+    fit(tmp_path, Regression(width, 4), Batches(6, batch, width), steps=5, callback=cb)
+    result = cb.final_summary()
+    assert result["verdict"] == "compute-bound", result["summary"]
+    # four Linear layers, each: forward, grad of weight, and (except the first) grad of input
+    per_layer = 2 * batch * width * width
+    assert result["flops_per_batch"] == (4 + 4 + 3) * per_layer
+    assert 0 < result["evidence"]["mfu"] == pytest.approx(result["evidence"]["flops_per_sec"] / result["peak_flops"])
+
+
+def test_huge_optimizer_is_optimizer_bound(tmp_path):
+    width = 1024  # 4 x 1M parameters, a batch of one sample: the for-loop AdamW dwarfs the matmuls
+    adam = partial(torch.optim.AdamW, lr=1e-4, foreach=False)
+    cb = DeviceStatsLogger(interval=2, peak_flops=1e11)
+    fit(tmp_path, Regression(width, 4, optimizer=adam), Batches(6, 1, width), steps=5, callback=cb)
+    result = cb.final_summary()
+    assert result["verdict"] == "optimizer-bound", result["summary"]
+    assert "adamw_fused" in result["next_step"]
+
+
+def test_slow_validation_is_not_counted_as_data_wait(tmp_path):
+    width = 16
+    cb = DeviceStatsLogger(interval=2, peak_flops=1e11)
+    model = Regression(width, 1, val_sleep_s=0.3)
+    fit(tmp_path, model, Batches(8, 8, width), steps=6, callback=cb,
+        val=Batches(1, 8, width), val_check_interval=2, check_val_every_n_epoch=None)
+    assert model.val_calls == 3  # validations after steps 2, 4 and 6
+    result = cb.final_summary()
+    # three validations slept 0.9 s in total; counted as data wait they would be >= 0.9 s of it
+    assert result["evidence"]["data_wait_s"] < 0.3, result["evidence"]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_logged_keys_units_and_interval_against_csv_logger(tmp_path):
+    width, batch, interval, steps = 32, 16, 2, 6
+    cb = DeviceStatsLogger(interval=interval)
+    fit(tmp_path, Regression(width, 2), Batches(10, batch, width), steps=steps, callback=cb, logger=True)
+    rows = [r for r in read_csv(tmp_path / "csv" / "metrics.csv") if r.get("time/batch_ms")]
+    assert [int(r["step"]) for r in rows] == list(range(interval, steps + 1, interval))
+    cpu_keys = {k for k in METRICS if not k.startswith("stats/gpu") and k != "throughput/tokens_per_sec"}
+    logged = {k for k in rows[0] if rows[0][k] not in ("", None) and k not in ("step", "epoch")}
+    assert logged == cpu_keys  # float batches: no tokens; CPU: no GPU keys
+    for row in rows:
+        v = {k: float(row[k]) for k in cpu_keys}
+        assert v["time/data_wait_frac"] + v["time/forward_backward_frac"] + v["time/optimizer_frac"] == pytest.approx(1)
+        assert v["throughput/samples_per_sec"] * v["time/batch_ms"] / 1000 == pytest.approx(batch)
+        assert v["perf/mfu"] == pytest.approx(v["perf/tflops_per_sec"] * 1e12 / cb.result["peak_flops"])
+        assert 0 < v["stats/cpu_rss_bytes"] <= v["stats/cpu_rss_peak_bytes"]
+        assert v["stats/sys_mem_available_bytes"] > 0
+
+
+def test_token_batches_log_tokens_per_sec(tmp_path):
+    class TinyLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(50, 8)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.emb(x).view(-1, 8), y.view(-1) % 8)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = [(torch.randint(0, 50, (4, 10)), torch.randint(0, 50, (4, 10))) for _ in range(6)]
+    fit(tmp_path, TinyLM(), data, steps=4, callback=DeviceStatsLogger(interval=2, peak_flops=1e11), logger=True)
+    rows = [r for r in read_csv(tmp_path / "csv" / "metrics.csv") if r.get("throughput/tokens_per_sec")]
+    assert len(rows) == 2
+    for row in rows:
+        # tokens per batch = 4 x 10, samples per batch = 4
+        assert float(row["throughput/tokens_per_sec"]) == pytest.approx(10 * float(row["throughput/samples_per_sec"]))
+
+
+def test_resume_carries_the_run_totals(tmp_path):
+    width = 16
+    data = Batches(12, 8, width)
+    first = DeviceStatsLogger(interval=2, peak_flops=1e11)
+    trainer = fit(tmp_path, Regression(width, 1), data, steps=4, callback=first)
+    ckpt = tmp_path / "half.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert first.final_summary()["evidence"]["batches"] == 3
+    second = DeviceStatsLogger(interval=2, peak_flops=1e11)
+    trainer = pl.Trainer(max_steps=8, callbacks=[second], default_root_dir=tmp_path, accelerator="cpu",
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         logger=False)
+    trainer.fit(Regression(width, 1), train_dataloaders=DataLoader(data, batch_size=None), ckpt_path=ckpt)
+    # each process leaves its first batch out as warm-up: 3 timed before the checkpoint + 3 after
+    assert second.final_summary()["evidence"]["batches"] == 6
+    assert second.final_summary()["flops_per_batch"] == first.final_summary()["flops_per_batch"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"interval": 0}, r"interval must be an int >= 1 optimizer steps .* got 0"),
+    ({"peak_flops": -1.0}, r"peak_flops must be > 0 FLOP/s .* got -1.0"),
+    ({"gpu_sample_every_s": 0}, r"gpu_sample_every_s must be > 0 seconds, or None to skip NVML, got 0"),
+])
+def test_bad_arguments_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DeviceStatsLogger(**kwargs)
+
+
+def test_missing_nvml_names_the_package():
+    pytest.importorskip("torch")  # always present; the real condition is below
+    try:
+        import pynvml  # noqa: F401
+    except ModuleNotFoundError:
+        with pytest.raises(ModuleNotFoundError, match=r"GPU utilisation needs nvidia-ml-py: pip install"):
+            NvmlSampler(0)
+    else:
+        pytest.skip("nvidia-ml-py is installed here, so the missing-package message cannot be exercised")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and nvidia-ml-py for NVML readings")
+def test_gpu_keys_from_nvml_and_cuda_events(tmp_path):
+    pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed: pip install 'lit_speed[gpu]'")
+    width = 512
+    cb = DeviceStatsLogger(interval=2, gpu_sample_every_s=0.05)
+    trainer = pl.Trainer(max_steps=6, callbacks=[cb], default_root_dir=tmp_path, accelerator="cuda", devices=1,
+                         enable_progress_bar=False, enable_checkpointing=False,
+                         logger=CSVLogger(tmp_path, name="csv", version=""))
+    trainer.fit(Regression(width, 4), train_dataloaders=DataLoader(Batches(8, 512, width), batch_size=None))
+    rows = [r for r in read_csv(tmp_path / "csv" / "metrics.csv") if r.get("time/batch_ms")]
+    gpu_keys = {k for k in METRICS if k.startswith("stats/gpu")} - {"stats/gpu_power_w"}  # some boards lack power
+    assert all(all(row.get(k) not in ("", None) for k in gpu_keys) for row in rows)
+    assert 0 <= float(rows[-1]["stats/gpu_util_pct"]) <= 100
+    assert cb.final_summary()["peak_flops_source"].startswith(("datasheet", "NVIDIA"))
