@@ -11,12 +11,13 @@ export DS_ACCELERATOR="${DS_ACCELERATOR:-$( (command -v nvidia-smi >/dev/null &&
 
 have_all() {  # every runtime (and test) dependency importable and lit_speed installed from this checkout
   "$PY" - "$@" <<'PYCHECK' >/dev/null 2>&1
-import importlib, importlib.metadata as md, sys
+import importlib.util, importlib.metadata as md, sys
 mods = ["torch", "lightning", "deepspeed", "torchmetrics", "hydra", "psutil", "rich", "sklearn", "matplotlib", "ninja"]
 if "test" in ",".join(sys.argv[1:]).split(","):
     mods += ["pytest", "pytest_timeout", "tensorboard", "hydra_plugins.hydra_optuna_sweeper"]
-for m in mods:
-    importlib.import_module(m)
+for m in mods:  # find, do not import: importing torch + deepspeed costs seconds
+    if importlib.util.find_spec(m) is None:
+        raise SystemExit(f"missing {m}")
 md.version("lit_speed")
 PYCHECK
 }
