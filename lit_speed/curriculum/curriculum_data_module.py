@@ -145,8 +145,11 @@ class CurriculumDataModule(pl.LightningDataModule):
 
     @property
     def is_widening(self) -> bool:
-        """True while the allowed set or the sequence length is still growing (early stopping holds off)."""
-        g = self.batches_seen
+        """True while the last training batch came from a restricted set or a shortened sequence length.
+
+        Early stopping holds off while this is true: the model evaluated was trained on the easy part only.
+        """
+        g = max(self.batches_seen - 1, 0)
         length = self.seq_len_at(g)
         return self.fraction_at(g) < 1.0 or (length is not None and length < self.full_seq_len)
 
