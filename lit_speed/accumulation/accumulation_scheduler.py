@@ -1,0 +1,354 @@
+"""Gradient accumulation scheduled by optimizer step, epoch, samples or tokens, with token-correct normalisation."""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lit_speed.accumulation import lightning_internals, micro_batch as mb
+from lit_speed.accumulation.schedule import (LR_SCALINGS, RAMPS, UNITS, check_choice, check_divisible,
+                                             factor_at, factor_for_effective_batch, lr_scale, validate_schedule,
+                                             value_at)
+from lit_speed.accumulation.window import (NORMALIZE, batch_samples, count_items, count_tokens, head_batch,
+                                           scale_gradients, split_batch, window_scale)
+
+
+class AccumulationScheduler(Callback):
+    """Accumulate gradients over a number of micro-batches that follows a schedule, normalised per item.
+
+    The factor is chosen at the start of every accumulation window from the position reached (optimizer
+    steps, epochs, samples or tokens seen), so it changes exactly at the scheduled step. The gradient
+    applied is ``grad(sum of per-item losses over the window) / items in the window`` (items summed over
+    processes), also for the ragged last window of an epoch. Module contract: ``training_step`` returns the
+    mean loss over its micro-batch's items, as usual; the items are counted from the batch (see
+    :mod:`lit_speed.accumulation.window`). ``normalize="micro_batch"`` keeps Lightning's classic mean of
+    micro-batch means (still correct for a ragged window).
+
+    Args:
+        factors: ``{position: micro-batches per optimizer step}``, keys strictly increasing from 0.
+        effective_batch: ``{position: samples per optimizer step over all processes}``; give this *or* factors.
+        unit: What the keys count: ``"step"`` (optimizer steps), ``"epoch"``, ``"samples"`` or ``"tokens"``.
+        ramp: ``"step"`` (hold each value until the next key) or ``"linear"`` (interpolate, rounded down to
+            whole micro-batches).
+        micro_batch: Samples per micro-batch; ``None`` keeps the datamodule's, an int sets
+            ``datamodule.batch_size``, ``"auto"`` picks the largest that fits ``memory_budget_mb``.
+        normalize: ``"samples"``, ``"tokens"`` (targets != ``ignore_index``) or ``"micro_batch"``.
+        ignore_index: Target value that is padding (for ``normalize="tokens"``).
+        lr_scaling: Rescale the LR with the effective batch: ``"none"``, ``"linear"`` or ``"sqrt"``.
+        memory_budget_mb: Activation-memory budget for ``micro_batch="auto"``.
+        oom_recovery: On an out-of-memory error, halve the micro-batch, double the accumulation and retry the
+            window from its start (single process only).
+
+    Raises:
+        ValueError: On an invalid schedule or setting; at fit start, on incompatible Trainer settings.
+
+    Example::
+
+        scheduler = AccumulationScheduler(factors={0: 1, 200: 4, 1000: 8})
+        trainer = Trainer(callbacks=[scheduler])
+    """
+
+    def __init__(self, factors: Optional[Mapping[int, int]] = None, effective_batch: Optional[Mapping[int, int]] = None,
+                 unit: str = "step", ramp: str = "step", micro_batch: int | str | None = None,
+                 normalize: str = "samples", ignore_index: int = -100, lr_scaling: str = "none",
+                 memory_budget_mb: Optional[float] = None, oom_recovery: bool = True) -> None:
+        if (factors is None) == (effective_batch is None):
+            raise ValueError("accumulation: give exactly one of factors={0: 4, ...} or effective_batch={0: 256, ...}, "
+                             f"got factors={factors!r}, effective_batch={effective_batch!r}")
+        self.factors = validate_schedule(factors, "accumulation.factors") if factors is not None else None
+        self.effective_batch = (validate_schedule(effective_batch, "accumulation.effective_batch")
+                                if effective_batch is not None else None)
+        self.unit = check_choice(unit, UNITS, "accumulation.unit")
+        self.ramp = check_choice(ramp, RAMPS, "accumulation.ramp")
+        self.normalize = check_choice(normalize, NORMALIZE, "accumulation.normalize")
+        self.lr_scaling = check_choice(lr_scaling, LR_SCALINGS, "accumulation.lr_scaling")
+        if micro_batch is not None and micro_batch != "auto" and (not isinstance(micro_batch, int) or micro_batch < 1):
+            raise ValueError(f"accumulation.micro_batch must be an int >= 1, 'auto' or null, got {micro_batch!r}")
+        if micro_batch == "auto" and (self.effective_batch is None or not memory_budget_mb or memory_budget_mb <= 0):
+            raise ValueError("accumulation.micro_batch='auto' needs effective_batch={...} (the target to keep) and "
+                             f"memory_budget_mb > 0, got effective_batch={effective_batch!r}, "
+                             f"memory_budget_mb={memory_budget_mb!r}")
+        self.micro_batch = micro_batch
+        self.ignore_index = ignore_index
+        self.memory_budget_mb = memory_budget_mb
+        self.oom_recovery = oom_recovery
+        # decisions read by Lightning's loop through lightning_internals
+        self.step_now = False
+        self.zero_now = True
+        # window state (resumable)
+        self._factor = 1          # dataloader batches per window
+        self._pieces = 1          # micro-batches per dataloader batch (doubles after each OOM)
+        self._pos = 0             # dataloader batches done in the current window
+        self._window = [0, 0, 0]  # items, samples, tokens of this process in the current window
+        self._seen = [0, 0]       # samples, tokens over all processes in completed windows
+        self._loader_batch: Optional[int] = None
+        self._applied_lr_scale = 1.0
+        self._last_items = 0.0
+        self._weight = 1.0
+        self._saved_grads: Optional[dict[str, torch.Tensor]] = None
+        self._window_batches: list[Any] = []
+        self._oom_count = 0
+        self._trainer: Optional["pl.Trainer"] = None
+
+    # ------------------------------------------------------------------ what the rest of lit_speed reads
+    @property
+    def current_factor(self) -> int:
+        """Micro-batches per optimizer step in the current window (per process)."""
+        return self._factor * self._pieces
+
+    def describe(self) -> dict[str, str]:
+        """Rows for the start-up table."""
+        what = (f"factors {self.factors}" if self.factors is not None
+                else f"effective batch {self.effective_batch} ({self.ramp} ramp)")
+        return {"accumulation": f"{what} by {self.unit}; normalised per {self.normalize}; "
+                                f"lr scaling {self.lr_scaling}; micro-batch {self.micro_batch or 'from data'}"}
+
+    def final_summary(self) -> dict[str, Any]:
+        return {"factor": self.current_factor, "micro_batch": self._micro(), "oom_retries": self._oom_count,
+                "samples_seen": self._seen[0], "tokens_seen": self._seen[1]}
+
+    # ------------------------------------------------------------------ set-up and refusals
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise ValueError("AccumulationScheduler needs automatic optimization, but the LightningModule sets "
+                             "automatic_optimization = False; accumulate inside your training_step instead, "
+                             "or remove the callback")
+        if trainer.accumulate_grad_batches != 1 and self._trainer is not trainer:
+            raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and "
+                             "AccumulationScheduler both set accumulation; remove accumulate_grad_batches from the "
+                             "Trainer (or use accumulation.factors={0: N})")
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            raise ValueError(f"AccumulationScheduler does not support {type(trainer.strategy).__name__} yet: "
+                             "DeepSpeed keeps its own gradient_accumulation_steps; use strategy=ddp or auto")
+        if self.oom_recovery and trainer.world_size > 1:
+            self.oom_recovery = False  # a retry on one rank alone would desynchronise the collectives
+        dm = trainer.datamodule
+        if isinstance(self.micro_batch, int) or self.micro_batch == "auto":
+            if dm is None or not hasattr(dm, "batch_size"):
+                raise ValueError(f"accumulation.micro_batch={self.micro_batch!r} sets datamodule.batch_size, but "
+                                 f"{type(dm).__name__} has none; use micro_batch=null and size the DataLoader yourself")
+            if self.micro_batch == "auto":
+                self.micro_batch = self._auto_micro_batch(trainer, pl_module)
+            dm.batch_size = self.micro_batch
+        self._trainer = trainer
+        lightning_internals.install(trainer, self)
+
+    def _auto_micro_batch(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> int:
+        per_process = self.effective_batch[0] // trainer.world_size
+        batch = next(iter(trainer.datamodule.train_dataloader()))
+        if batch_samples(batch) < 2:
+            raise ValueError("accumulation.micro_batch='auto' probes micro-batches of 1 and 2 samples; "
+                             "the datamodule's batch_size must be >= 2")
+        batch = trainer.strategy.batch_to_device(batch)
+        was_training = pl_module.training
+        pl_module.train()
+        pl_module.log = lambda *args, **kwargs: None  # the probe runs outside Lightning's loop
+        try:
+            def loss_fn(b: Any) -> torch.Tensor:
+                out = pl_module.training_step(b, 0)
+                return out["loss"] if isinstance(out, Mapping) else out
+
+            per_sample, fixed = mb.measure_activation_model(loss_fn, batch, head_batch)
+        finally:
+            del pl_module.log
+            pl_module.train(was_training)
+            for metric in pl_module.modules():  # metrics updated by the probe's forward
+                if hasattr(metric, "reset") and type(metric).__module__.startswith("torchmetrics"):
+                    metric.reset()
+        candidates = [b for b in mb.divisor_candidates(per_process)
+                      if all(v % (b * trainer.world_size) == 0 for v in self.effective_batch.values())]
+        chosen = mb.pick_micro_batch(per_sample, fixed, self.memory_budget_mb * 2**20, candidates)
+        rank_zero_info(f"accumulation: micro_batch auto -> {chosen} ({per_sample / 2**20:.2f} MiB activations per "
+                       f"sample, budget {self.memory_budget_mb} MiB)")
+        return chosen
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            lightning_internals.uninstall(trainer)
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._saved_grads is not None:  # resumed mid-window: put the partial window's gradients back
+            params = dict(pl_module.named_parameters())
+            for name, grad in self._saved_grads.items():
+                params[name].grad = grad.to(device=params[name].device, dtype=params[name].dtype)
+            self._saved_grads = None
+        trainer.accumulate_grad_batches = self.current_factor
+
+    # ------------------------------------------------------------------ the window
+    def _position(self, trainer: "pl.Trainer") -> float:
+        return {"step": trainer.global_step, "epoch": trainer.current_epoch,
+                "samples": self._seen[0], "tokens": self._seen[1]}[self.unit]
+
+    def _micro(self) -> Optional[int]:
+        return None if self._loader_batch is None else self._loader_batch // self._pieces
+
+    def _start_window(self, trainer: "pl.Trainer", batch: Any) -> None:
+        if self._loader_batch is None:
+            self._loader_batch = batch_samples(batch)
+            if isinstance(self.micro_batch, int) and self._loader_batch != self.micro_batch:
+                raise ValueError(f"accumulation.micro_batch={self.micro_batch} but the train DataLoader yields "
+                                 f"batches of {self._loader_batch}; use micro_batch=null")
+            if self.effective_batch is not None and self.ramp == "step":
+                check_divisible(self.effective_batch, self._loader_batch, trainer.world_size,
+                                "accumulation.effective_batch")
+        position = self._position(trainer)
+        if self.factors is not None:
+            self._factor = factor_at(self.factors, position, self.ramp)
+        else:
+            target = value_at(self.effective_batch, position, self.ramp)
+            self._factor = factor_for_effective_batch(target, self._loader_batch, trainer.world_size)
+        self._apply_lr_scale(trainer)
+        trainer.accumulate_grad_batches = self.current_factor
+
+    def _effective(self, trainer: "pl.Trainer", factor: int) -> int:
+        return self._loader_batch * factor * trainer.world_size
+
+    def _apply_lr_scale(self, trainer: "pl.Trainer") -> None:
+        if self.lr_scaling == "none":
+            return
+        base = (self.factors[0] * self._loader_batch * trainer.world_size if self.factors is not None
+                else factor_for_effective_batch(self.effective_batch[0], self._loader_batch, trainer.world_size)
+                * self._loader_batch * trainer.world_size)
+        scale = lr_scale(self._effective(trainer, self._factor), base, self.lr_scaling)
+        ratio = scale / self._applied_lr_scale
+        if ratio == 1.0:
+            return
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= ratio
+        for config in trainer.lr_scheduler_configs:  # schedulers recompute lr from base_lrs every step
+            if hasattr(config.scheduler, "base_lrs"):
+                config.scheduler.base_lrs = [lr * ratio for lr in config.scheduler.base_lrs]
+        self._applied_lr_scale = scale
+
+    def run_batch(self, run: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
+        """Run one dataloader batch as ``pieces`` micro-batches; on OOM, retry the window with smaller ones."""
+        trainer = self._trainer
+        batch = kwargs["batch"]
+        if self._pos == 0:
+            self._start_window(trainer, batch)
+        epoch_end = lightning_internals.is_last_batch_of_epoch(trainer)  # ends a ragged window
+        try:
+            output = self._run_pieces(run, optimizer, batch_idx, kwargs, batch, epoch_end)
+        except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError
+            if not (self.oom_recovery and mb.is_oom_error(error)):
+                raise
+            output = self._retry_window(run, optimizer, batch_idx, kwargs, batch, epoch_end, error)
+        return output
+
+    def _run_pieces(self, run: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any, batch: Any,
+                    epoch_end: bool) -> Any:
+        trainer = self._trainer
+        last_batch = self._pos + 1 == self._factor or epoch_end
+        output = None
+        for j, piece in enumerate(split_batch(batch, self._pieces)):
+            self.zero_now = self._pos == 0 and j == 0
+            self.step_now = last_batch and j == self._pieces - 1
+            items = count_items(piece, self.normalize, self.ignore_index)
+            # Lightning divides the loss by accumulate_grad_batches; undo it and weight by the item count
+            self._weight = float(items * trainer.accumulate_grad_batches)
+            # counted before the run: the window's last run reaches on_before_optimizer_step
+            self._window[0] += items
+            self._window[1] += batch_samples(piece)
+            self._window[2] += count_tokens(piece)
+            kwargs["batch"] = piece
+            output = run(optimizer, batch_idx, kwargs)
+        kwargs["batch"] = batch
+        if self.oom_recovery:
+            self._window_batches.append(batch)
+        if self.step_now:
+            self._pos, self._window, self._window_batches = 0, [0, 0, 0], []
+        else:
+            self._pos += 1
+        return output
+
+    def _retry_window(self, run: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any, batch: Any,
+                      epoch_end: bool, error: BaseException) -> Any:
+        batches = self._window_batches + [batch]
+        while True:
+            micro = self._micro()
+            if micro is None or micro < 2:
+                raise RuntimeError(f"out of memory at micro-batch {micro}; nothing left to halve") from error
+            self._oom_count += 1
+            self._pieces *= 2
+            rank_zero_info(f"accumulation: out of memory at micro-batch {micro}; retrying the window with "
+                           f"micro-batch {self._micro()} x {self.current_factor}")
+            optimizer.zero_grad(set_to_none=True)  # discard the partial window
+            self._pos, self._window, self._window_batches = 0, [0, 0, 0], []
+            self._trainer.accumulate_grad_batches = self.current_factor
+            try:
+                output = None
+                for i, cached in enumerate(batches):
+                    last = epoch_end and i == len(batches) - 1
+                    output = self._run_pieces(run, optimizer, batch_idx, kwargs, cached, last)
+                return output
+            except RuntimeError as again:
+                if not mb.is_oom_error(again):
+                    raise
+                error = again
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
+        weight = self._weight
+        if weight != 1.0:
+            loss.register_hook(lambda grad: grad * weight)
+
+    @override
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+        totals = torch.tensor(self._window, dtype=torch.float64, device=pl_module.device)
+        if trainer.world_size > 1:
+            totals = trainer.strategy.reduce(totals, reduce_op="sum")
+        items, samples, tokens = (float(v) for v in totals.tolist())
+        scale_gradients(pl_module.parameters(), window_scale(items, trainer.world_size))
+        self._last_items = items
+        self._seen[0] += int(samples)
+        self._seen[1] += int(tokens)
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self.step_now:
+            return
+        pl_module.log_dict({
+            "accumulation/factor": float(self.current_factor),
+            "accumulation/micro_batch": float(self._micro()),
+            "accumulation/effective_batch": float(self._effective(trainer, self._factor)),
+            "accumulation/items_in_window": self._last_items,
+        }, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    # ------------------------------------------------------------------ resume
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = {"factor": self._factor, "pieces": self._pieces, "pos": self._pos, "window": list(self._window),
+                 "seen": list(self._seen), "loader_batch": self._loader_batch, "step_now": self.step_now,
+                 "applied_lr_scale": self._applied_lr_scale, "oom_count": self._oom_count}
+        if self._pos and self._trainer is not None:  # mid-window: the partial gradients are part of the state
+            module = self._trainer.lightning_module
+            state["partial_grads"] = {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters()
+                                      if p.grad is not None}
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._factor = state_dict.get("factor", 1)
+        self._pieces = state_dict.get("pieces", 1)
+        self._pos = state_dict.get("pos", 0)
+        self._window = list(state_dict.get("window", [0, 0, 0]))
+        self._seen = list(state_dict.get("seen", [0, 0]))
+        self._loader_batch = state_dict.get("loader_batch")
+        self.step_now = state_dict.get("step_now", False)
+        self._applied_lr_scale = state_dict.get("applied_lr_scale", 1.0)
+        self._oom_count = state_dict.get("oom_count", 0)
+        self._saved_grads = state_dict.get("partial_grads")
+

@@ -1,0 +1,111 @@
+"""Pick the largest micro-batch that fits, and recognise out-of-memory errors in all their disguises.
+
+CUDA reports running out of memory in several ways (``torch.cuda.OutOfMemoryError``, a plain
+``RuntimeError`` from cuBLAS/cuDNN/NCCL kernels that failed to allocate workspace); CPU allocations rarely
+fail cleanly, so on CPU the micro-batch is chosen against a *memory budget*: the bytes of tensors
+autograd saves for backward, measured on the real module at two micro-batch sizes and extrapolated
+linearly (activations grow linearly with the micro-batch; weights, gradients and optimizer state do not).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+# Substrings of the messages CUDA/cuBLAS/cuDNN/NCCL/MPS use for a failed allocation.
+OOM_MESSAGES = (
+    "out of memory",                         # "CUDA out of memory. Tried to allocate ...", "CUDA error: out of memory"
+    "CUBLAS_STATUS_ALLOC_FAILED",            # cuBLAS could not allocate its workspace
+    "CUDNN_STATUS_NOT_SUPPORTED",            # cuDNN falls back to this when a workspace does not fit
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "cuFFT error: CUFFT_ALLOC_FAILED",
+    "NCCL error: unhandled cuda error",      # NCCL buffers failing to allocate
+    "MPS backend out of memory",
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
+)
+
+
+def is_oom_error(error: BaseException) -> bool:
+    """True if ``error`` means an allocation failed (any device), so a smaller micro-batch may succeed.
+
+    Example::
+
+        >>> is_oom_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+        True
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    message = str(error)
+    return any(pattern.lower() in message.lower() for pattern in OOM_MESSAGES)
+
+
+def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the tensors autograd saves for backward while ``step()`` runs a forward pass.
+
+    Counts each storage once (views of one tensor share it). ``step`` returns the loss; no backward runs.
+    """
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.nn.Parameter):
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(seen.values())
+
+
+def pick_micro_batch(bytes_per_sample: float, fixed_bytes: float, budget_bytes: float,
+                     candidates: list[int]) -> int:
+    """Largest candidate micro-batch ``b`` with ``fixed_bytes + b * bytes_per_sample <= budget_bytes``.
+
+    Raises:
+        ValueError: If not even the smallest candidate fits, naming the budget needed.
+    """
+    fitting = [b for b in sorted(candidates) if fixed_bytes + b * bytes_per_sample <= budget_bytes]
+    if not fitting:
+        smallest = min(candidates)
+        need = (fixed_bytes + smallest * bytes_per_sample) / 2**20
+        raise ValueError(f"accumulation.memory_budget_mb = {budget_bytes / 2**20:.1f} is too small: micro-batch "
+                         f"{smallest} needs {need:.1f} MiB of activations; raise the budget or shrink the model")
+    return fitting[-1]
+
+
+def divisor_candidates(per_process_batch: int) -> list[int]:
+    """Micro-batches that divide a process's share of the effective batch (so accumulation is whole)."""
+    return [b for b in range(1, per_process_batch + 1) if per_process_batch % b == 0]
+
+
+def measure_activation_model(loss_fn: Callable[[Any], torch.Tensor], batch: Any,
+                             slicer: Callable[[Any, int], Any]) -> tuple[float, float]:
+    """Fit ``bytes(b) = fixed + b * per_sample`` from the saved activations of micro-batches 1 and 2.
+
+    Args:
+        loss_fn: Runs the module's forward on a batch and returns the loss.
+        batch: A real training batch with at least 2 samples.
+        slicer: ``(batch, n) -> first n samples of batch``.
+
+    Returns:
+        ``(per_sample_bytes, fixed_bytes)``.
+    """
+    # copies, so a saved input counts its own bytes and not the storage of the whole batch it was sliced from
+    one = saved_activation_bytes(lambda: loss_fn(_copy(slicer(batch, 1))))
+    two = saved_activation_bytes(lambda: loss_fn(_copy(slicer(batch, 2))))
+    per_sample = max(two - one, 1)
+    return float(per_sample), float(max(one - per_sample, 0))
+
+
+def _copy(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, dict):
+        return {k: _copy(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        items = [_copy(v) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
