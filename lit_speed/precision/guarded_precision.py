@@ -1,0 +1,370 @@
+"""``GuardedPrecision``: mixed precision that stays finite, shows its work, and falls back safely."""
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lit_speed.precision import modes
+from lit_speed.precision.fp32_modules import Float32Islands, _cast, match_modules
+from lit_speed.precision.nonfinite import Action, GuardCounters, all_finite, decide, first_nonfinite, is_genuine
+from lit_speed.precision.probe import DEFAULT_MAX_SLOWDOWN, cpu_has_native_bf16, measure_slowdown, slowdown_warning
+from lit_speed.precision.skip_aware_scheduler import SkipAwareScheduler
+
+_WARNED_SLOW: set[torch.dtype] = set()  # the slowness warning is shown once per process and dtype
+
+
+def _cuda_bf16() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+class GuardedPrecision(Precision):
+    """Mixed precision (CPU and CUDA) with a non-finite guard, fallback chain, telemetry and resumable state.
+
+    Args:
+        mode: ``32-true`` | ``bf16-mixed`` | ``16-mixed`` | ``bf16-true`` | ``auto`` (the fastest safe mode
+            on the trainer's device, chosen at setup; the reason is shown by :meth:`describe`).
+        on_nonfinite: What a genuine inf/NaN step does (it never reaches the weights): ``skip`` it,
+            ``fallback`` to the next mode after ``fallback_after`` consecutive ones, or ``raise``.
+            ``None`` = ``fallback``, or ``skip`` for ``bf16-true`` (its weights are bf16: nothing to fall back to).
+        fallback_after: Consecutive genuine non-finite steps that trigger a fallback.
+        fallback_chain: Modes to fall back to, in order; ``None`` = 16-mixed -> bf16-mixed -> 32-true from
+            ``mode`` on (bf16 skipped where the device lacks it).
+        init_scale, growth_factor, backoff_factor, growth_interval: ``torch.amp.GradScaler`` settings (16-mixed).
+        min_scale: The loss scale never backs off below this; an overflow at ``min_scale`` counts as genuine.
+        matmul_precision: ``highest`` | ``high`` | ``medium`` (TF32 on Ampere+) for float32 matmuls, or ``None``.
+        fp32_modules: Classes, class names or module names kept in float32 under autocast.
+        max_cpu_slowdown: Warn when a CPU low-precision matmul probes slower than this ratio to fp32.
+
+    Raises:
+        ValueError: An unknown mode or policy, a bad scaler setting, or (at setup) a device or strategy that
+            cannot run the mode. Each message names the setting and the fix.
+
+    Example::
+
+        trainer = Trainer(plugins=[GuardedPrecision("16-mixed", on_nonfinite="fallback")])
+    """
+
+    def __init__(self, mode: str = "32-true", on_nonfinite: str | None = None, fallback_after: int = 3,
+                 fallback_chain: Sequence[str] | None = None, init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 min_scale: float = 1.0, matmul_precision: str | None = None,
+                 fp32_modules: Sequence[str | type] = (), max_cpu_slowdown: float = DEFAULT_MAX_SLOWDOWN) -> None:
+        self.requested_mode = modes.check_mode(mode)
+        if on_nonfinite is None:
+            on_nonfinite = "skip" if mode == "bf16-true" else "fallback"
+        self._user_chain = modes.check_chain(mode, fallback_chain, on_nonfinite)
+        if not (isinstance(fallback_after, int) and fallback_after >= 1):
+            raise ValueError(f"precision.fallback_after must be an int >= 1, got {fallback_after!r}")
+        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1
+                and 0 < min_scale <= init_scale):
+            raise ValueError("precision scaler settings need init_scale > 0, growth_factor > 1, 0 < backoff_factor"
+                             " < 1, growth_interval >= 1 and 0 < min_scale <= init_scale; got "
+                             f"init_scale={init_scale}, growth_factor={growth_factor}, backoff_factor="
+                             f"{backoff_factor}, growth_interval={growth_interval}, min_scale={min_scale}")
+        if matmul_precision not in (None, "highest", "high", "medium"):
+            raise ValueError(f"precision.matmul_precision must be highest, high, medium or null; got "
+                             f"{matmul_precision!r}")
+        self.on_nonfinite = on_nonfinite
+        self.fallback_after = fallback_after
+        self.scaler_config = {"init_scale": float(init_scale), "growth_factor": float(growth_factor),
+                              "backoff_factor": float(backoff_factor), "growth_interval": int(growth_interval),
+                              "min_scale": float(min_scale)}
+        self.matmul_precision = matmul_precision
+        self.fp32_modules = list(fp32_modules)
+        self.max_cpu_slowdown = float(max_cpu_slowdown)
+        guess = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device_type: str | None = None  # set at setup from the trainer's root device
+        self.mode, self.reason = self._resolve(guess, probe=False)
+        self.scaler: torch.amp.GradScaler | None = None
+        self._scaler_device: str | None = None
+        self._start_mode: str | None = None  # the resolved mode this run started in (saved in checkpoints)
+        self.counters = GuardCounters()
+        self.last_step_skipped = False  # read by the LR-scheduler wrapper and by accumulation callbacks
+        self._chain: list[str] = []
+        self._resolved = False
+        self._pending_scaler_state: dict[str, Any] | None = None
+        self._loss_finite: Tensor | None = None
+        self._param_names: dict[int, str] = {}
+        self._islands: Float32Islands | None = None
+        self._previous_matmul_precision: str | None = None
+
+    @property
+    def precision(self) -> str:  # type: ignore[override]
+        """The Lightning literal of the current mode (changes after a fallback)."""
+        return self.mode
+
+    # ---- setup -------------------------------------------------------------------------------------------
+
+    def _resolve(self, device_type: str, probe: bool) -> tuple[str, str]:
+        if self.requested_mode != "auto":
+            return self.requested_mode, "requested"
+        slowdown = measure_slowdown(torch.bfloat16) if probe and device_type == "cpu" and cpu_has_native_bf16() \
+            else None
+        return modes.choose_auto_mode(device_type, _cuda_bf16(), cpu_has_native_bf16(), slowdown,
+                                      self.max_cpu_slowdown)
+
+    def _setup(self, module: nn.Module) -> None:
+        """Resolve the device and mode, check the combination, build the scaler (idempotent)."""
+        trainer = _trainer_of(module)
+        if trainer is not None:
+            self.device_type = trainer.strategy.root_device.type
+            modes.check_strategy(self.mode, trainer.strategy)
+        else:
+            self.device_type = next((p.device.type for p in module.parameters()), "cpu")
+        if not self._resolved:
+            self.mode, self.reason = self._resolve(self.device_type, probe=True)
+            bf16_ok = _cuda_bf16() if self.device_type == "cuda" else cpu_has_native_bf16()
+            self._chain = list(self._user_chain) if self._user_chain is not None else \
+                modes.default_chain(self.mode, bf16_ok)
+            self._start_mode = self.mode
+            self._resolved = True
+        modes.check_device_support(self.mode, self.device_type, _cuda_bf16())
+        if self.device_type == "cpu" and self.requested_mode != "auto":
+            self._warn_if_slow(modes.compute_dtype(self.mode))
+        if self.mode == "16-mixed" and (self.scaler is None or self._scaler_device != self.device_type):
+            self._make_scaler()
+        if self.matmul_precision is not None and self._previous_matmul_precision is None:
+            self._previous_matmul_precision = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision(self.matmul_precision)
+
+    def _warn_if_slow(self, dtype: torch.dtype) -> None:
+        if dtype == torch.float32 or dtype in _WARNED_SLOW:
+            return
+        message = slowdown_warning(dtype, measure_slowdown(dtype), self.max_cpu_slowdown)
+        if message:
+            _WARNED_SLOW.add(dtype)
+            rank_zero_warn(message, category=UserWarning)
+
+    def _make_scaler(self) -> None:
+        cfg = {k: v for k, v in self.scaler_config.items() if k != "min_scale"}
+        self._scaler_device = self.device_type or "cpu"
+        self.scaler = torch.amp.GradScaler(self._scaler_device, **cfg)
+        if self._pending_scaler_state is not None:
+            self.scaler.load_state_dict(self._pending_scaler_state)
+            self._pending_scaler_state = None
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        self._setup(module)
+        return module.to(torch.bfloat16) if self.mode == "bf16-true" else module
+
+    @override
+    def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+                ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        self._setup(model)
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        if self.fp32_modules:
+            self._islands = Float32Islands(self.device_type or "cpu",
+                                           torch.bfloat16 if self.mode == "bf16-true" else None)
+            self._islands.install(match_modules(model, self.fp32_modules))
+        for config in lr_schedulers:  # no scheduler step on a skipped optimizer step (Lightning #18828)
+            if not isinstance(config.scheduler, SkipAwareScheduler):
+                config.scheduler = SkipAwareScheduler(config.scheduler, lambda: self.last_step_skipped)
+        return model, optimizers, lr_schedulers
+
+    @override
+    def teardown(self) -> None:
+        if self._islands is not None:
+            self._islands.remove()
+        if self._previous_matmul_precision is not None:
+            torch.set_float32_matmul_precision(self._previous_matmul_precision)
+            self._previous_matmul_precision = None
+
+    # ---- forward -----------------------------------------------------------------------------------------
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        dtype = modes.autocast_dtype(self.mode)
+        device_type = self.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype is not None:
+            context = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+        elif self.mode == "bf16-true":
+            context = _default_dtype(torch.bfloat16)
+        else:
+            context = nullcontext()
+        with context:
+            yield
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return _cast(data, torch.bfloat16) if self.mode == "bf16-true" else data
+
+    # ---- backward and step -------------------------------------------------------------------------------
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
+        finite = torch.isfinite(tensor.detach()).all()  # no sync: read together with the gradients
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any],  # type: ignore[override]
+                       **kwargs: Any) -> Any:
+        if isinstance(optimizer, LBFGS):
+            raise ValueError("GuardedPrecision checks gradients between backward and step, but LBFGS re-runs "
+                             "the closure inside step(). Fix: use Lightning's default precision for LBFGS.")
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            self._loss_finite = None  # training_step returned None: no backward, nothing to step
+            return closure_result
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)  # clipping and hooks see true gradients; the step below too
+        self._after_closure(model, optimizer)
+        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        loss_finite = self._loss_finite if self._loss_finite is not None else torch.tensor(True)
+        flags = torch.stack([loss_finite.cpu(), all_finite(grads).cpu()]).tolist()  # the one host sync
+        self._loss_finite = None
+        trainer = model.trainer
+        bad = self._any_rank(trainer, not all(flags))
+        scale = self.scaler.get_scale() if self.scaler is not None else None
+        genuine = bad and self._any_rank(trainer, is_genuine(flags[0], flags[1], scale,
+                                                             self.scaler_config["min_scale"]))
+        action = decide(self.counters, bad, genuine, self.on_nonfinite, self.fallback_after, bool(self._chain))
+        self.last_step_skipped = action is not Action.STEP
+        if action is Action.STEP:
+            optimizer.step(**kwargs)
+        if self.scaler is not None:
+            self.scaler.update()
+            if self.scaler.get_scale() < self.scaler_config["min_scale"]:
+                self.scaler.update(new_scale=self.scaler_config["min_scale"])
+        if action in (Action.RAISE, Action.FALLBACK):
+            what = self._what_was_nonfinite(closure_result, optimizer, flags)
+            if action is Action.RAISE:
+                raise FloatingPointError(self._raise_message(trainer.global_step, what, scale))
+            self._fall_back(trainer.global_step, what)
+        self._log(trainer, force=action is Action.FALLBACK)
+        return closure_result
+
+    def _any_rank(self, trainer: "pl.Trainer", flag: bool) -> bool:
+        """Every rank takes the same decision (a NaN on one rank must skip the step everywhere)."""
+        return trainer.strategy.reduce_boolean_decision(flag, all=False) if trainer.world_size > 1 else flag
+
+    def _what_was_nonfinite(self, loss: Any, optimizer: Any, flags: list[bool]) -> str:
+        parts = [] if flags[0] else [f"loss={float(loss) if isinstance(loss, Tensor) else loss}"]
+        if not flags[1]:
+            named = ((self._param_names.get(id(p), "?"), p.grad) for p in self.main_params(optimizer)
+                     if p.grad is not None)
+            parts.append(f"gradient of {first_nonfinite(named)}")
+        return ", ".join(parts) or "non-finite on another rank"
+
+    def _raise_message(self, step: int, what: str, scale: float | None) -> str:
+        scale_txt = "" if scale is None else f", loss scale {scale:g} (min_scale {self.scaler_config['min_scale']:g})"
+        if self.on_nonfinite == "fallback":
+            return (f"GuardedPrecision: step {step} is still non-finite ({what}) after falling back to "
+                    f"{self.mode}{scale_txt}: this is not a precision problem. Try a lower learning rate, "
+                    f"gradient clipping (trainer.gradient_clip_val=1.0), or check the data and the loss.")
+        return (f"GuardedPrecision: non-finite values at step {step} under {self.mode} ({what}{scale_txt}); "
+                f"on_nonfinite='raise' stops here. Try on_nonfinite=fallback (continue in "
+                f"{' -> '.join(self._chain) or '32-true'}), a lower learning rate, gradient clipping "
+                f"(trainer.gradient_clip_val=1.0), or fp32_modules=[LayerNorm] for the layers that overflow.")
+
+    def _fall_back(self, step: int, what: str) -> None:
+        old, self.mode = self.mode, self._chain.pop(0)
+        self.reason = f"fell back from {old} at step {step}"
+        self.counters.consecutive_bad = 0
+        self.counters.fallbacks.append({"step": step, "from": old, "to": self.mode, "reason": what})
+        if self.mode == "16-mixed":
+            self._make_scaler()
+        else:
+            self.scaler = None
+        rank_zero_warn(f"GuardedPrecision: {self.fallback_after} consecutive non-finite steps under {old} (last "
+                       f"at step {step}: {what}); continuing in {self.mode}. The checkpoint keeps this mode.")
+
+    # ---- telemetry, state, description -------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """The ``precision/*`` telemetry: mode code (see ``modes.MODE_CODES``), scale, skipped steps, rate."""
+        return {"precision/mode": float(modes.MODE_CODES[self.mode]),
+                "precision/loss_scale": float(self.scaler.get_scale()) if self.scaler is not None else 1.0,
+                "precision/skipped_steps": float(self.counters.skipped_steps),
+                "precision/nonfinite_rate": self.counters.nonfinite_rate}
+
+    def _log(self, trainer: "pl.Trainer", force: bool) -> None:
+        if trainer.loggers and (force or (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0):
+            metrics = self.metrics()
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = {"mode": self.mode, "start_mode": self._start_mode or self.mode,
+                 "chain": list(self._chain), **self.counters.state_dict()}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        start = state_dict.get("start_mode")
+        configured = self._start_mode or self.requested_mode
+        if start is not None and configured not in ("auto", start):
+            rank_zero_warn(f"GuardedPrecision: the checkpoint was trained from precision {start!r} "
+                           f"(last {state_dict.get('mode')!r}); this run asks for {configured!r}, so the "
+                           f"checkpoint's precision state is not restored.")
+            return
+        self.mode = state_dict.get("mode", self.mode)
+        self._start_mode = start or self.mode
+        self._chain = list(state_dict.get("chain", self._chain))
+        self.counters.load_state_dict(state_dict)
+        self._resolved = True
+        if self.counters.fallbacks:
+            self.reason = f"restored from checkpoint: fell back from {self.counters.fallbacks[-1]['from']}"
+        if self.mode != "16-mixed":
+            self.scaler = None
+        elif "scaler" in state_dict:
+            self._pending_scaler_state = state_dict["scaler"]
+            if self.device_type is not None:
+                self._make_scaler()
+        rank_zero_info(f"GuardedPrecision: resumed in {self.mode} ({self.counters.skipped_steps} skipped steps)")
+
+    def describe(self) -> dict[str, str]:
+        """Rows for the start-up table."""
+        scaler = ", ".join(f"{k}={v:g}" for k, v in self.scaler_config.items())
+        guard = self.on_nonfinite + (f" after {self.fallback_after} bad steps -> "
+                                     f"{' -> '.join(self._chain or modes.default_chain(self.mode)) or 'none'}"
+                                     if self.on_nonfinite == "fallback" else "")
+        rows = {"precision": f"{self.mode} ({self.reason})" if self.requested_mode == "auto" else self.mode,
+                "non-finite guard": guard}
+        if self.mode == "16-mixed":
+            rows["loss scaler"] = scaler
+        if self.fp32_modules:
+            rows["fp32 modules"] = ", ".join(getattr(m, "__name__", str(m)) for m in self.fp32_modules)
+        return rows
+
+    def final_summary(self) -> dict[str, Any]:
+        """End-of-run numbers merged into ``summary.json``."""
+        return {"mode": self.mode, "requested": self.requested_mode, "reason": self.reason,
+                "attempted_steps": self.counters.attempted_steps, "skipped_steps": self.counters.skipped_steps,
+                "nonfinite_rate": self.counters.nonfinite_rate, "fallbacks": list(self.counters.fallbacks),
+                "loss_scale": self.metrics()["precision/loss_scale"]}
+
+
+def _trainer_of(module: nn.Module) -> "pl.Trainer | None":
+    if not isinstance(module, pl.LightningModule):
+        return None
+    try:
+        return module.trainer
+    except RuntimeError:  # not attached to a Trainer (used outside fit/validate)
+        return None
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,121 @@
+"""Precision modes as plain data and functions: validation, ``auto`` choice, fallback chains, compatibility.
+
+Nothing here needs a ``Trainer``; :class:`~lit_speed.precision.guarded_precision.GuardedPrecision` wires it to
+Lightning's hooks, and the tests exercise every rule with given inputs (device, bf16 support, probe ratio).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+#: Modes a user may ask for (Lightning's own literals, plus ``auto``).
+MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "auto")
+#: Modes a fallback chain may move to: mixed modes keep float32 weights, so switching between them is free.
+CHAIN_MODES = ("16-mixed", "bf16-mixed", "32-true")
+#: ``precision/mode`` is logged as a number (loggers take floats); the code of each mode.
+MODE_CODES = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 2, "bf16-true": 3}
+NONFINITE_POLICIES = ("skip", "fallback", "raise")
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def autocast_dtype(mode: str) -> torch.dtype | None:
+    """The dtype autocast runs matmuls in for ``mode`` (``None``: no autocast)."""
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(mode)
+
+
+def compute_dtype(mode: str) -> torch.dtype:
+    """The dtype the heavy ops run in: what the slowness probe must time."""
+    return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(
+        mode, torch.float32)
+
+
+def check_mode(mode: Any) -> str:
+    """Return ``mode`` if it is a known mode, else raise a ``ValueError`` that lists the choices."""
+    if mode not in MODES:
+        raise ValueError(f"precision.mode must be one of {', '.join(MODES)}; got {mode!r}. Fix: pick one, "
+                         f"e.g. precision=bf16-mixed on the command line or GuardedPrecision(mode='bf16-mixed').")
+    return str(mode)
+
+
+def choose_auto_mode(device_type: str, cuda_bf16: bool, cpu_bf16: bool, cpu_slowdown: float | None,
+                     max_slowdown: float) -> tuple[str, str]:
+    """The fastest numerically safe mode for a device, and the reason (shown in the start-up table).
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``.
+        cuda_bf16: ``torch.cuda.is_bf16_supported()`` on the device in use.
+        cpu_bf16: the CPU has native bf16 kernels (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``).
+        cpu_slowdown: measured bf16/fp32 matmul time ratio on this CPU (``None``: not measured).
+        max_slowdown: above this ratio a CPU bf16 mode is refused.
+    """
+    if device_type == "cuda":
+        if cuda_bf16:
+            return "bf16-mixed", "CUDA device supports bf16: same range as fp32, no loss scaling needed"
+        return "16-mixed", "CUDA device without bf16: fp16 with dynamic loss scaling"
+    if not cpu_bf16:
+        return "32-true", "CPU without native bf16 kernels: bf16/fp16 matmuls are emulated and much slower"
+    if cpu_slowdown is not None and cpu_slowdown > max_slowdown:
+        return "32-true", f"CPU bf16 matmul measured {cpu_slowdown:.1f}x slower than fp32 (> {max_slowdown:g}x)"
+    measured = "" if cpu_slowdown is None else f" (bf16 matmul {cpu_slowdown:.2f}x the fp32 time)"
+    return "bf16-mixed", f"CPU with native bf16 kernels{measured}"
+
+
+def check_device_support(mode: str, device_type: str, cuda_bf16: bool) -> None:
+    """Refuse a mode the device cannot run, naming the setting and the fix."""
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"GuardedPrecision runs on {' or '.join(DEVICE_TYPES)}; the trainer's device is "
+                         f"{device_type!r}. Fix: Trainer(accelerator='cpu' or 'gpu'), or use Lightning's own "
+                         f"precision plugin for {device_type}.")
+    if device_type == "cuda" and mode in ("bf16-mixed", "bf16-true") and not cuda_bf16:
+        raise ValueError(f"precision.mode={mode!r} needs bf16 support, which this CUDA device lacks "
+                         f"(torch.cuda.is_bf16_supported() is False; bf16 needs Ampere or newer). "
+                         f"Fix: precision=16-mixed (fp16 with loss scaling) or precision=auto.")
+
+
+def default_chain(mode: str, bf16_ok: bool = True) -> list[str]:
+    """Modes tried after ``mode`` fails: 16-mixed -> bf16-mixed -> 32-true (bf16 dropped if unsupported)."""
+    if mode not in CHAIN_MODES:
+        return []
+    rest = list(CHAIN_MODES[CHAIN_MODES.index(mode) + 1:])
+    return [m for m in rest if bf16_ok or m != "bf16-mixed"]
+
+
+def check_chain(mode: str, chain: Sequence[str] | None, on_nonfinite: str) -> list[str] | None:
+    """Validate a user's fallback chain (``None`` = the default chain, resolved once the device is known)."""
+    if on_nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"precision.on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}; got "
+                         f"{on_nonfinite!r}. Fix: on_nonfinite=fallback to switch mode after repeated bad steps.")
+    if on_nonfinite == "fallback" and mode == "bf16-true":
+        raise ValueError("precision.on_nonfinite='fallback' needs a mixed mode (float32 weights to fall back "
+                         "to); bf16-true keeps the weights in bf16. Fix: on_nonfinite=skip or raise with "
+                         "bf16-true, or mode=bf16-mixed.")
+    if chain is None:
+        return None
+    chain = list(chain)
+    bad = [m for m in chain if m not in CHAIN_MODES]
+    if bad or len(set(chain)) != len(chain) or mode in chain:
+        raise ValueError(f"precision.fallback_chain must list distinct modes from {', '.join(CHAIN_MODES)}, "
+                         f"without the starting mode {mode!r}; got {chain}. Fix: e.g. fallback_chain=[32-true].")
+    return chain
+
+
+def check_strategy(mode: str, strategy: Any) -> None:
+    """Refuse strategies that scale the loss themselves or need a sharded scaler (never a double scaler).
+
+    DeepSpeed owns loss scaling and the backward/step calls: a DeepSpeed strategy must take precision over
+    (``lit_speed.ZeroStrategy`` builds DeepSpeed's bf16/fp16 sections from this plugin and replaces it), so
+    reaching this plugin's setup under DeepSpeed means nobody did.
+    """
+    names = {cls.__name__ for cls in type(strategy).__mro__}
+    if "DeepSpeedStrategy" in names:
+        raise ValueError(
+            f"GuardedPrecision(mode={mode!r}) is installed under {type(strategy).__name__}, which did not take "
+            "precision over: DeepSpeed runs its own loss scaler, backward and step, so this plugin would "
+            "double-scale or bypass it. Fix: strategy=zero1|zero2|zero3 (lit_speed.ZeroStrategy configures "
+            "DeepSpeed's bf16/fp16 from this plugin), or drop the plugin and pass Trainer(precision=...).")
+    if mode == "16-mixed" and names & {"FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
+        raise ValueError(
+            f"precision.mode='16-mixed' needs loss scaling, which GuardedPrecision cannot do under "
+            f"{type(strategy).__name__} (sharded gradients need that strategy's own scaler). Fix: "
+            f"mode=bf16-mixed (no scaler needed), or Trainer(precision='16-mixed') without this plugin.")
