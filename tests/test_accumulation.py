@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from helpers_accumulation import (ManualModule, ResumableLoader, StepRecorder, TinyClassifier, TinyDataModule,
                                   TinyTokenLM, classification_data, fit, flat_params, rel_err, token_data, update)
-from lit_speed.accumulation import AccumulationScheduler, lightning_internals
+from lit_speed.accumulation import AccumulationScheduler
 from lit_speed.accumulation.micro_batch import measure_activation_model
 from lit_speed.accumulation.window import head_batch
 
@@ -178,12 +178,3 @@ def test_micro_batch_int_needs_a_datamodule_batch_size():
     with pytest.raises(ValueError, match=r"micro_batch=4 sets datamodule.batch_size, but NoneType has none"):
         fit(TinyClassifier(), DataLoader(classification_data(16), batch_size=8),
             [AccumulationScheduler(factors={0: 2}, micro_batch=4)])
-
-
-def test_internals_are_removed_after_fit():
-    trainer = fit(TinyClassifier(), DataLoader(classification_data(16), batch_size=8),
-                  [AccumulationScheduler(factors={0: 2})])
-    epoch_loop = trainer.fit_loop.epoch_loop
-    assert "_should_accumulate" not in vars(epoch_loop)
-    assert not {"run", "_make_zero_grad_fn"} & set(vars(epoch_loop.automatic_optimization))
-    assert lightning_internals is not None

@@ -80,7 +80,7 @@ class AccumulationScheduler(Callback):
         self.step_now = False
         self.zero_now = True
         # window state (resumable)
-        self._factor = 1          # dataloader batches per window
+        self._factor = self.factors[0] if self.factors else 1  # dataloader batches per window
         self._pieces = 1          # micro-batches per dataloader batch (doubles after each OOM)
         self._pos = 0             # dataloader batches done in the current window
         self._window = [0, 0, 0]  # items, samples, tokens of this process in the current window
