@@ -1,0 +1,163 @@
+"""Activation checkpointing (and activation offload) for chosen submodule types of any LightningModule.
+
+The functional core, :func:`checkpoint_modules` / :func:`restore_modules`, works on any ``nn.Module``; the
+:class:`ActivationCheckpointing` callback only applies it at ``setup`` and undoes it at ``teardown``.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Iterable, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from typing_extensions import override
+
+_ATTR = "_lit_speed_checkpointed"
+
+
+class _CheckpointedForward:
+    """Replaces ``module.forward`` on the instance: no wrapper module, so ``state_dict`` keys do not change.
+
+    It keeps a reference to its module (not a bound method), so ``copy.deepcopy`` of the model copies it
+    pointing at the copied module.
+    """
+
+    def __init__(self, module: nn.Module, offload: bool) -> None:
+        self.module = module
+        self.offload = offload
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = type(self.module).forward.__get__(self.module)
+        if not torch.is_grad_enabled():  # evaluation: nothing is saved, so nothing to recompute
+            return forward(*args, **kwargs)
+        if self.offload:
+            # The non-reentrant checkpoint saves the region's inputs with save_for_backward *outside* its own
+            # hooks, so save_on_cpu moves exactly those boundary activations to host memory.
+            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def resolve_module_types(specs: Iterable[str | type], root: nn.Module) -> list[type]:
+    """Turn class names (``"Block"``), dotted import paths or classes into the submodule types of ``root``.
+
+    Raises:
+        ValueError: A name matches no submodule type of ``root``; the message lists the types it has.
+    """
+    present = {type(m) for m in root.modules()}
+    by_name: dict[str, list[type]] = {}
+    for cls in present:
+        by_name.setdefault(cls.__name__, []).append(cls)
+    resolved: list[type] = []
+    for spec in specs:
+        if isinstance(spec, type):
+            resolved.append(spec)
+        elif "." in spec:
+            module_name, _, cls_name = spec.rpartition(".")
+            try:
+                resolved.append(getattr(importlib.import_module(module_name), cls_name))
+            except (ImportError, AttributeError) as error:
+                raise ValueError(f"checkpointing.modules: cannot import {spec!r} ({error}); give a class name "
+                                 f"such as 'Block' or a full import path such as 'lit_speed.models.gpt.Block'") from None
+        elif spec in by_name:
+            resolved += by_name[spec]
+        else:
+            names = ", ".join(sorted(by_name))
+            raise ValueError(f"checkpointing.modules: no submodule of type {spec!r} in {type(root).__name__}. "
+                             f"Types present: {names}. Pick the repeated block, e.g. modules=[Block]")
+    return resolved
+
+
+def checkpoint_modules(root: nn.Module, types: Sequence[str | type], offload: bool = False) -> list[str]:
+    """Wrap every submodule of ``root`` whose type is in ``types`` with non-reentrant checkpointing.
+
+    Args:
+        root: The model; edited in place (instance attributes only, parameters untouched).
+        types: Class names, dotted import paths or classes of the submodules to checkpoint.
+        offload: Also move the checkpointed regions' saved inputs to host memory (``save_on_cpu``,
+            pinned when CUDA is available). On a CPU-only machine host memory *is* device memory, so this
+            changes nothing there but costs a little time.
+
+    Returns:
+        The qualified names of the wrapped submodules.
+
+    Raises:
+        ValueError: ``types`` is empty, names an unknown type, or matches no submodule.
+    """
+    if not types:
+        raise ValueError("checkpointing.modules is empty: name the submodule types to checkpoint, e.g. [Block]")
+    classes = tuple(resolve_module_types(types, root))
+    wrapped = []
+    for name, module in root.named_modules():
+        if isinstance(module, classes) and not getattr(module, _ATTR, False) and module is not root:
+            module.forward = _CheckpointedForward(module, offload)
+            setattr(module, _ATTR, True)
+            wrapped.append(name)
+    if not wrapped and not any(getattr(m, _ATTR, False) for m in root.modules()):
+        raise ValueError(f"checkpointing.modules={list(map(str, types))} matched no submodule of "
+                         f"{type(root).__name__} (the root module itself is never wrapped)")
+    return wrapped
+
+
+def restore_modules(root: nn.Module) -> int:
+    """Undo :func:`checkpoint_modules`; returns how many submodules were restored."""
+    restored = 0
+    for module in root.modules():
+        if getattr(module, _ATTR, False):
+            del module.forward
+            delattr(module, _ATTR)
+            restored += 1
+    return restored
+
+
+class ActivationCheckpointing(Callback):
+    """Recompute the activations of chosen submodules in backward instead of keeping them.
+
+    Saves the memory of everything computed inside each wrapped block except its input, at the cost of one
+    extra forward of those blocks. Gradients are unchanged (same ops, same order). ``state_dict`` keys are
+    unchanged, so checkpoints move freely between runs with and without it.
+
+    Args:
+        modules: Submodule types to wrap: class names (``"Block"``), dotted paths or classes.
+        offload: Also keep each wrapped block's input in (pinned) host memory instead of on the GPU.
+
+    Raises:
+        ValueError: ``modules`` is empty or not a list of names/classes; at setup, a name matches nothing.
+
+    Example::
+
+        trainer = Trainer(callbacks=[ActivationCheckpointing(modules=["Block"])])
+    """
+
+    def __init__(self, modules: Sequence[str | type] = ("Block",), offload: bool = False) -> None:
+        if isinstance(modules, (str, type)):
+            modules = [modules]
+        modules = list(modules)
+        if not modules or not all(isinstance(m, (str, type)) for m in modules):
+            raise ValueError(f"checkpointing.modules must be a non-empty list of class names, import paths or "
+                             f"classes, got {modules!r}; e.g. modules=[Block]")
+        self.modules = modules
+        self.offload = bool(offload)
+        self.wrapped: list[str] = []
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self.wrapped = checkpoint_modules(pl_module, self.modules, self.offload)
+        rank_zero_info(f"ActivationCheckpointing: {len(self.wrapped)} submodules wrapped"
+                       + (" (inputs offloaded to host)" if self.offload else ""))
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        restore_modules(pl_module)
+
+    def describe(self) -> dict[str, str]:
+        names = ", ".join(m if isinstance(m, str) else m.__name__ for m in self.modules)
+        where = "; block inputs offloaded to host" if self.offload else ""
+        return {"activation checkpointing": f"{names} ({len(self.wrapped) or 'not yet'} wrapped){where}"}
+
+    def final_summary(self) -> dict[str, Any]:
+        return {"wrapped_modules": len(self.wrapped), "offload": self.offload}

@@ -1,0 +1,79 @@
+"""Count live tensor bytes on any device, CPU included: the CPU analogue of ``torch.cuda.max_memory_allocated``.
+
+CPU memory cannot be read per allocation from the allocator, and process RSS is noisy (glibc keeps freed
+pages, Python itself holds hundreds of MB). :class:`LiveTensorTracker` instead sees every tensor-producing
+op through a ``TorchDispatchMode`` (forward, backward and optimizer ops alike), adds the bytes of each newly
+allocated storage and drops them when the storage is freed. What it cannot see: kernel-internal workspaces
+that never become tensors, and tensors created before it was entered (count those yourself).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind the tensors in a (nested) container."""
+    seen: dict[int, int] = {}
+    for t in tree_leaves(tensors):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Peak bytes of tensor storage allocated while the tracker is active and still alive.
+
+    A storage is counted once, when an op returns it and it is not one of the op's inputs (views and in-place
+    results share their input's storage and cost nothing). It is uncounted when it is garbage collected.
+
+    Args:
+        device_type: Count only storages on this device type (``"cpu"``, ``"cuda"``); ``None`` counts all.
+
+    Example::
+
+        with LiveTensorTracker() as tracker:
+            model(x).sum().backward()
+        print(tracker.peak_bytes)
+    """
+
+    def __init__(self, device_type: str | None = None) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes alive now (like ``torch.cuda.reset_peak_memory_stats``)."""
+        self._sweep()
+        self.peak_bytes = self.current_bytes
+
+    def _sweep(self) -> None:
+        dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
+        for key in dead:
+            self.current_bytes -= self._live.pop(key)[1]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            if self.device_type is not None and t.device.type != self.device_type:
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in inputs or key in self._live:
+                continue
+            self._live[key] = (StorageWeakRef(storage), nbytes)
+            self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        return out
