@@ -86,6 +86,24 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def _remove_orphaned_temporaries(path: Path) -> None:
+    """Delete ``.<name>.tmp-<pid>`` files left by a writer that was killed (its process no longer exists)."""
+    for tmp in path.parent.glob(f".{path.name}.*-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_exists(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def write_atomically(data: bytes | memoryview, path: _PATH, keep_previous: bool = True, verify: bool = True) -> None:
     """Write ``data`` to ``path`` so that a reader sees either the old complete file or the new one.
 
@@ -104,6 +122,7 @@ def write_atomically(data: bytes | memoryview, path: _PATH, keep_previous: bool 
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_orphaned_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,10 +19,25 @@ def flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def max_abs_differences(a: dict, b: dict, keys: tuple[str, ...] = ("state_dict", "optimizer_states")) -> dict[str, float]:
-    """Largest absolute difference per tensor of the given top-level keys (0.0 = bitwise equal)."""
-    ta = flat_tensors({k: a[k] for k in keys})
-    tb = flat_tensors({k: b[k] for k in keys})
+def training_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Weights and optimizer state of a Lightning checkpoint file or a DeepSpeed checkpoint folder."""
+    path = Path(path)
+    if path.is_file():
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        return flat_tensors({"weights": ckpt["state_dict"], "optimizer": ckpt["optimizer_states"]})
+    # DeepSpeed: model states load weights-only; the optimizer shards hold the DeepSpeed config (not weights-only)
+    out: dict[str, torch.Tensor] = {}
+    for part in sorted(path.rglob("*model_states.pt")):
+        out.update(flat_tensors(torch.load(part, map_location="cpu", weights_only=True)["module"], f"weights/{part.name}"))
+    for part in sorted(path.rglob("*optim_states.pt")):
+        state = torch.load(part, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        out.update(flat_tensors(state, f"optimizer/{part.name}"))
+    return out
+
+
+def max_abs_differences(a: str | Path, b: str | Path) -> dict[str, float]:
+    """Largest absolute difference per tensor between two checkpoints (0.0 = bitwise equal)."""
+    ta, tb = training_tensors(a), training_tensors(b)
     if ta.keys() != tb.keys():
         raise AssertionError(f"different tensors: only in a {sorted(ta.keys() - tb.keys())[:5]}, "
                              f"only in b {sorted(tb.keys() - ta.keys())[:5]}")
@@ -30,7 +46,6 @@ def max_abs_differences(a: dict, b: dict, keys: tuple[str, ...] = ("state_dict",
 
 
 if __name__ == "__main__":
-    a, b = (torch.load(p, map_location="cpu", weights_only=True) for p in sys.argv[1:3])
-    diffs = max_abs_differences(a, b)
-    print(f"steps {a['global_step']} vs {b['global_step']}; {sum(d == 0 for d in diffs.values())}/{len(diffs)} "
+    diffs = max_abs_differences(sys.argv[1], sys.argv[2])
+    print(f"{sum(d == 0 for d in diffs.values())}/{len(diffs)} "
           f"tensors bitwise equal; max diff {max(diffs.values()):.3g}")

@@ -1,0 +1,41 @@
+"""Run ``scripts/train.py`` in a fresh interpreter for the fault tests, with this folder importable."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+# a short, deterministic digits run: 3 epochs of 8 batches, a checkpoint (last.ckpt) at every epoch end
+SHORT_RUN = ["trainer.max_epochs=3", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
+             "trainer.num_sanity_val_steps=0", "trainer.deterministic=true", "seed=7",
+             "callbacks=[model_checkpoint,fault_tolerance]", "logger=none", "validate=false",
+             "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+STEPS_PER_EPOCH = 8
+
+
+def env() -> dict[str, str]:
+    """The environment of a child run: this folder on PYTHONPATH (for ``_target_: kill_at_step.KillAtStep``)."""
+    path = os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {**os.environ, "PYTHONPATH": path, "HYDRA_FULL_ERROR": "0", "DS_ACCELERATOR": "cpu"}
+
+
+def train(args: list[str], run_dir: Path, timeout: float = 600, script: str | None = None
+          ) -> subprocess.CompletedProcess:
+    """``python scripts/train.py <args> hydra.run.dir=<run_dir>``; returns the finished process (text output)."""
+    command = [sys.executable, script or str(ROOT / "scripts" / "train.py"), *args, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def kill_at(step: int, rank: int = 0, mode: str = "step") -> list[str]:
+    """Overrides that add :class:`kill_at_step.KillAtStep` to a run."""
+    return ["+callbacks.kill._target_=kill_at_step.KillAtStep", f"+callbacks.kill.step={step}",
+            f"+callbacks.kill.rank={rank}", f"+callbacks.kill.mode={mode}"]
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    """The tail of a child's output, for assertion messages."""
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"

@@ -1,0 +1,136 @@
+"""Kill and resume: a run SIGKILLed at a random step and resumed with ``ckpt_path=last`` ends where the
+uninterrupted run ends.
+
+What this proves, and what it does not: checkpoints are written at epoch ends (``ModelCheckpoint`` at every
+validation), so the resumed run repeats the steps between the last epoch end and the kill. With
+``FaultTolerance(restore_rng=True)`` (on by default) those repeated steps draw the same shuffle and dropout,
+and the final weights and optimizer state are bitwise equal to the uninterrupted run on CPU with
+``trainer.deterministic=true``. Without the RNG states they are not
+(``test_resume_without_rng_state_is_not_exact``): Lightning checkpoints no RNG state. Mid-epoch checkpoints
+of a plain ``DataLoader`` are not exact either (Lightning restarts the epoch's iterator and warns).
+"""
+from __future__ import annotations
+
+import random
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
+from compare_checkpoints import max_abs_differences  # noqa: E402
+from runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train  # noqa: E402
+
+from lit_speed.checkpointing import FaultTolerance, resolve_ckpt_path, verify_checkpoint  # noqa: E402
+from lit_speed.data.digits import DigitsDataModule  # noqa: E402
+from lit_speed.models.mlp import MLPClassifier  # noqa: E402
+
+SIGKILLED = -9
+TOTAL_STEPS = 3 * STEPS_PER_EPOCH
+
+# (extra overrides, exact?) -- exact = bitwise; every case here is a deterministic CPU run, so all are exact
+MATRIX = [
+    pytest.param([], id="32true-auto-noaccum-nocurriculum"),
+    pytest.param(["precision=bf16-mixed"], id="bf16mixed-auto-noaccum-nocurriculum", marks=pytest.mark.slow),
+    pytest.param(["strategy=zero2"], id="32true-zero2-noaccum-nocurriculum", marks=pytest.mark.slow),
+]
+
+
+def _kill_step(case_id: str) -> int:
+    """A random step after the first checkpoint and before the end; seeded by the case, so reruns agree."""
+    return random.Random(case_id).randint(STEPS_PER_EPOCH + 1, TOTAL_STEPS - 1)
+
+
+def _both(*jobs: tuple[list[str], Path]) -> list:
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda job: train(*job), jobs))
+
+
+def _assert_same_training_state(reference: Path, resumed: Path) -> None:
+    diffs = max_abs_differences(reference, resumed)
+    different = {k: v for k, v in diffs.items() if v != 0.0}
+    assert not different, f"{len(different)}/{len(diffs)} tensors differ from the uninterrupted run: {different}"
+
+
+@pytest.mark.parametrize("extra", MATRIX)
+def test_sigkill_at_a_random_step_then_resume_matches_the_uninterrupted_run(tmp_path, extra, request):
+    step = _kill_step(request.node.callspec.id)
+    args = SHORT_RUN + extra
+    reference, killed = _both((args, tmp_path / "reference"), (args + kill_at(step), tmp_path / "run"))
+    assert reference.returncode == 0, explain(reference)
+    assert killed.returncode == SIGKILLED, explain(killed)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    verify_checkpoint(last)
+
+    resumed = train(args + ["ckpt_path=last"], tmp_path / "run")
+    assert resumed.returncode == 0, explain(resumed)
+    assert f"Restored all states from the checkpoint at {last}" in resumed.stdout + resumed.stderr, explain(resumed)
+    _assert_same_training_state(tmp_path / "reference" / "checkpoints" / "last.ckpt", last)
+
+
+@pytest.mark.slow
+def test_sigkill_inside_a_checkpoint_save_keeps_the_previous_one_and_resumes_exactly(tmp_path):
+    # dies after the temporary file of the step-16 save is written, before it replaces last.ckpt (step 8)
+    reference, killed = _both((SHORT_RUN, tmp_path / "reference"),
+                              (SHORT_RUN + kill_at(STEPS_PER_EPOCH + 1, mode="before_rename"), tmp_path / "run"))
+    assert reference.returncode == 0, explain(reference)
+    assert killed.returncode == SIGKILLED, explain(killed)
+    folder = tmp_path / "run" / "checkpoints"
+    assert list(folder.glob(".last.ckpt.tmp-*")), "the kill should have left the unfinished temporary file"
+    verify_checkpoint(folder / "last.ckpt")
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == STEPS_PER_EPOCH
+
+    resumed = train(SHORT_RUN + ["ckpt_path=last"], tmp_path / "run")
+    assert resumed.returncode == 0, explain(resumed)
+    assert not list(folder.glob(".last.ckpt.tmp-*")), "the orphaned temporary file should be cleaned up"
+    _assert_same_training_state(tmp_path / "reference" / "checkpoints" / "last.ckpt", folder / "last.ckpt")
+
+
+@pytest.mark.slow
+def test_resume_without_rng_state_is_not_exact(tmp_path):
+    # the control that gives the test above its power: Lightning alone does not restore the RNG states
+    args = SHORT_RUN + ["callbacks.fault_tolerance.restore_rng=false"]
+    reference, killed = _both((args, tmp_path / "reference"), (args + kill_at(STEPS_PER_EPOCH + 3), tmp_path / "run"))
+    assert killed.returncode == SIGKILLED, explain(killed)
+    resumed = train(args + ["ckpt_path=last"], tmp_path / "run")
+    assert resumed.returncode == 0, explain(resumed)
+    diffs = max_abs_differences(tmp_path / "reference" / "checkpoints" / "last.ckpt",
+                                tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert max(diffs.values()) > 0.0
+
+
+def _fit(root: Path, max_epochs: int, ckpt_path: str | None = None) -> pl.Trainer:
+    pl.seed_everything(3, workers=True)
+    model = MLPClassifier(hidden=32, depth=1, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=max_epochs, limit_train_batches=4, limit_val_batches=1,
+                         num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, deterministic=True, default_root_dir=root,
+                         callbacks=[ModelCheckpoint(dirpath=root / "checkpoints", save_last=True), FaultTolerance()])
+    trainer.fit(model, datamodule=DigitsDataModule(batch_size=32), ckpt_path=resolve_ckpt_path(ckpt_path, trainer))
+    return trainer
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bit_flip"])
+def test_damaged_last_checkpoint_falls_back_to_the_previous_one_and_still_ends_exactly(tmp_path, damage):
+    _fit(tmp_path / "reference", max_epochs=3)
+    _fit(tmp_path / "run", max_epochs=2)  # "preempted" after epoch 2: last.ckpt = epoch 2, .prev = epoch 1
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    data = bytearray(last.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    last.write_bytes(bytes(data))
+    # the newest top-k copy (same state as last.ckpt) is gone too: only last.ckpt.prev (epoch 1) is left to find
+    for path in last.parent.glob("epoch=*.ckpt"):
+        path.unlink()
+
+    with pytest.warns(UserWarning, match=r"last\.ckpt is unusable.*Trying the next older checkpoint"):
+        with pytest.warns(UserWarning, match=r"Resuming from .*last\.ckpt\.prev"):
+            trainer = _fit(tmp_path / "run", max_epochs=3, ckpt_path="last")
+    assert trainer.global_step == 3 * 4  # resumed from epoch 1 (.prev), not from scratch, and trained to the end
+    _assert_same_training_state(tmp_path / "reference" / "checkpoints" / "last.ckpt", last)
