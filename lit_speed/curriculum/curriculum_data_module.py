@@ -49,6 +49,7 @@ class CurriculumDataModule(pl.LightningDataModule):
         persistent_workers: Keep workers alive between epochs (needs ``num_workers > 0``).
         prefetch_factor: Batches each worker loads ahead (needs ``num_workers > 0``).
         batch_transform: Function ``batch -> batch`` applied to training batches after transfer to the device.
+        block_size: Full sequence length of the warm-up; defaults to the wrapped DataModule's ``block_size``.
 
     Raises:
         ValueError: On a missing or doubled data source, or a pacing/warm-up setting out of range.
@@ -68,7 +69,8 @@ class CurriculumDataModule(pl.LightningDataModule):
                  pace_unit: str = "steps", pace_stages: int = 4, seq_len_start: int | None = None,
                  seq_len_warmup: int = 0, seq_len_multiple: int = 8, seed: int = 0, drop_last: bool = False,
                  num_workers: int | str = 0, pin_memory: bool | str = "auto", persistent_workers: bool = False,
-                 prefetch_factor: int | None = None, batch_transform: Callable[[Any], Any] | None = None) -> None:
+                 prefetch_factor: int | None = None, batch_transform: Callable[[Any], Any] | None = None,
+                 block_size: int | None = None) -> None:
         super().__init__()
         if (datamodule is None) == (train_dataset is None):
             raise ValueError("CurriculumDataModule needs exactly one data source: datamodule=<a DataModule> or "
@@ -97,7 +99,12 @@ class CurriculumDataModule(pl.LightningDataModule):
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.persistent_workers, self.prefetch_factor = persistent_workers, prefetch_factor
         self.sampler: CurriculumSampler | None = None
-        self.full_seq_len: int | None = getattr(datamodule, "block_size", None)
+        inner = getattr(datamodule, "block_size", None)
+        if block_size is not None and inner is not None and block_size != inner:
+            raise ValueError(f"block_size={block_size} differs from the wrapped datamodule's block_size={inner}; "
+                             "set one value (the Hydra option wires data.datamodule.block_size to data.block_size)")
+        self.block_size = block_size if block_size is not None else inner
+        self.full_seq_len: int | None = self.block_size
         self._pending_state: dict[str, Any] | None = None
 
     @override

@@ -12,12 +12,16 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
+from typing_extensions import override
+
+from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, loader_kwargs, resolve_num_workers,
+                                     resolve_pin_memory)
 
 # A fixed vocabulary (tab, newline, printable ASCII) so token ids never depend on corpus content;
 # any other character maps to "?" (index of "?").
@@ -176,6 +180,16 @@ class TokenWindows(Dataset):
         chunk = torch.from_numpy(np.array(self.tokens[start : start + self.block_size + 1], dtype=np.int64))
         return chunk[:-1], chunk[1:]
 
+    def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole batch of windows with one gather (used by :class:`~lit_speed.data.pipeline.BatchFetch`)."""
+        starts = np.asarray(indices, dtype=np.int64) * self.stride
+        positions = starts[:, None] + np.arange(self.block_size + 1)
+        if isinstance(self.tokens, torch.Tensor):
+            chunk = self.tokens[torch.from_numpy(positions)].long()
+        else:
+            chunk = torch.from_numpy(np.asarray(self.tokens[positions], dtype=np.int64))
+        return chunk[:, :-1], chunk[:, 1:]
+
 
 class CharLMDataModule(pl.LightningDataModule):
     """Character-level LM data from the stdlib corpus (see :func:`build_corpus`).
@@ -188,8 +202,16 @@ class CharLMDataModule(pl.LightningDataModule):
         val_every: Every n-th source file goes to validation.
         train_stride: Offset between consecutive training windows (default ``block_size``).
         max_val_windows: Cap on validation windows, so a validation pass stays short.
-        num_workers: DataLoader workers.
+        num_workers: DataLoader workers, or ``auto`` (one per spare core, at most 8).
         root: Source folder (default: this interpreter's standard library).
+        pin_memory: Pin host memory; ``auto`` = only when training on CUDA.
+        persistent_workers: Keep workers between epochs; ``None`` = whenever ``num_workers > 0``.
+        prefetch_factor: Batches each worker loads ahead (needs ``num_workers > 0``).
+        preload: Read the token arrays into RAM instead of memory-mapping them (small corpora).
+        batch_transform: Function ``batch -> batch`` applied to training batches after transfer to the device.
+
+    Training batches are gathered a whole batch at a time from the token array (one fancy index instead
+    of ``batch_size`` slices and a collate), in the same shuffled order as ``shuffle=True``.
     """
 
     def __init__(
@@ -201,14 +223,22 @@ class CharLMDataModule(pl.LightningDataModule):
         val_every: int = 10,
         train_stride: int | None = None,
         max_val_windows: int = 512,
-        num_workers: int = 0,
+        num_workers: int | str = 0,
         root: str | None = None,
+        pin_memory: bool | str = "auto",
+        persistent_workers: bool | None = None,
+        prefetch_factor: int | None = None,
+        preload: bool = False,
+        batch_transform: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_val_windows", max_val_windows)):
             if value < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {value}")
-        self.save_hyperparameters()
+        workers = resolve_num_workers(num_workers, preload)
+        loader_kwargs(workers, False, bool(persistent_workers), prefetch_factor)
+        self.save_hyperparameters(ignore=["batch_transform"])
+        self.batch_transform = batch_transform
         self.batch_size = batch_size
         self.block_size = block_size
         self.corpus: Corpus | None = None
@@ -222,8 +252,11 @@ class CharLMDataModule(pl.LightningDataModule):
         if self.corpus is not None:
             return
         self.corpus = build_corpus(self.hparams.cache_dir, self.hparams.max_bytes, self.hparams.val_every, self.hparams.root)
-        self.train_dataset = TokenWindows(self.corpus.train_tokens(), self.block_size, self.hparams.train_stride)
-        val = TokenWindows(self.corpus.val_tokens(), self.block_size)
+        train_tokens, val_tokens = self.corpus.train_tokens(), self.corpus.val_tokens()
+        if self.hparams.preload:
+            train_tokens, val_tokens = torch.from_numpy(np.array(train_tokens)), torch.from_numpy(np.array(val_tokens))
+        self.train_dataset = TokenWindows(train_tokens, self.block_size, self.hparams.train_stride)
+        val = TokenWindows(val_tokens, self.block_size)
         # evenly spaced windows across the whole validation text, not just its head
         idx = np.linspace(0, len(val) - 1, num=min(len(val), self.hparams.max_val_windows)).round().astype(int)
         self.val_dataset = torch.utils.data.Subset(val, np.unique(idx).tolist())
@@ -232,14 +265,24 @@ class CharLMDataModule(pl.LightningDataModule):
         self.setup()
         return unigram_cross_entropy(self.corpus.train_tokens(), self.corpus.val_tokens())
 
+    def _loader_kwargs(self) -> dict[str, Any]:
+        h = self.hparams
+        workers = resolve_num_workers(h.num_workers, h.preload)
+        persistent = workers > 0 if h.persistent_workers is None else h.persistent_workers
+        return loader_kwargs(workers, resolve_pin_memory(h.pin_memory, self.trainer), persistent, h.prefetch_factor)
+
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True,
-                          num_workers=self.hparams.num_workers, drop_last=True,
-                          persistent_workers=self.hparams.num_workers > 0)
+        # the same RandomSampler draw as shuffle=True, drop_last=True; each batch gathered in one index
+        batches = BatchSampler(RandomSampler(self.train_dataset), self.batch_size, drop_last=True)
+        return DataLoader(BatchFetch(self.train_dataset), sampler=batches, batch_size=None, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_dataset, batch_size=max(self.batch_size, 64), shuffle=False,
-                          num_workers=self.hparams.num_workers)
+        kwargs = {**self._loader_kwargs(), "persistent_workers": False}
+        return DataLoader(self.val_dataset, batch_size=max(self.batch_size, 64), shuffle=False, **kwargs)
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return apply_batch_transform(self.batch_transform, batch, self.trainer is not None and self.trainer.training)
 
     def describe(self) -> dict[str, Any]:
         self.setup()

@@ -1,11 +1,15 @@
 """scikit-learn's bundled 8x8 digits as a preloaded-tensor DataModule (no download, ever)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+from typing_extensions import override
+
+from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, loader_kwargs, resolve_num_workers,
+                                     resolve_pin_memory)
 
 
 def load_digits_tensors(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -33,7 +37,17 @@ class DigitsDataModule(pl.LightningDataModule):
         batch_size: Micro-batch size per device.
         val_fraction: Share of samples held out for validation.
         seed: Seed of the train/val split (independent of the training seed).
-        num_workers: DataLoader workers. 0 is fastest here: the data is already a tensor.
+        num_workers: DataLoader workers, or ``auto``. 0 is fastest here: the data is already a tensor.
+        pin_memory: Pin host memory; ``auto`` = only when training on CUDA.
+        persistent_workers: Keep workers between epochs (needs ``num_workers > 0``).
+        prefetch_factor: Batches each worker loads ahead (needs ``num_workers > 0``).
+        preload: Serve each training batch with one tensor index (``True``) instead of ``batch_size``
+            ``__getitem__`` calls and a collate (``False``). Same samples in the same order either way.
+        batch_transform: Function ``batch -> batch`` applied to training batches after transfer to the
+            device, e.g. :func:`lit_speed.data.pipeline.jitter_images` (vectorised augmentation).
+
+    Raises:
+        ValueError: If ``batch_size`` < 1 or a loader option is out of range.
 
     Example::
 
@@ -44,14 +58,18 @@ class DigitsDataModule(pl.LightningDataModule):
     num_classes = 10
     in_features = 64
 
-    def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0, num_workers: int = 0) -> None:
+    def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0, num_workers: int | str = 0,
+                 pin_memory: bool | str = "auto", persistent_workers: bool = False, prefetch_factor: int | None = None,
+                 preload: bool = True, batch_transform: Callable[[Any], Any] | None = None) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
-        if num_workers < 0:
+        if isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
-        self.save_hyperparameters()
+        loader_kwargs(resolve_num_workers(num_workers, preload), False, persistent_workers, prefetch_factor)
+        self.save_hyperparameters(ignore=["batch_transform"])
         self.batch_size = batch_size
+        self.batch_transform = batch_transform
         self.train_dataset: TensorDataset | None = None
         self.val_dataset: TensorDataset | None = None
 
@@ -59,13 +77,26 @@ class DigitsDataModule(pl.LightningDataModule):
         if self.train_dataset is None:
             self.train_dataset, self.val_dataset = load_digits_tensors(self.hparams.val_fraction, self.hparams.seed)
 
+    def _loader_kwargs(self) -> dict[str, Any]:
+        h = self.hparams
+        return loader_kwargs(resolve_num_workers(h.num_workers, True), resolve_pin_memory(h.pin_memory, self.trainer),
+                             h.persistent_workers, h.prefetch_factor)
+
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True,
-                          num_workers=self.hparams.num_workers, drop_last=False)
+        if not self.hparams.preload:
+            return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=False,
+                              **self._loader_kwargs())
+        # the same RandomSampler draw as shuffle=True, served a whole batch per tensor index
+        batches = BatchSampler(RandomSampler(self.train_dataset), self.batch_size, drop_last=False)
+        return DataLoader(BatchFetch(self.train_dataset), sampler=batches, batch_size=None, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_dataset, batch_size=max(self.batch_size, 256), shuffle=False,
-                          num_workers=self.hparams.num_workers)
+                          **self._loader_kwargs())
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return apply_batch_transform(self.batch_transform, batch, self.trainer is not None and self.trainer.training)
 
     def describe(self) -> dict[str, Any]:
         """Rows for the start-up table."""
