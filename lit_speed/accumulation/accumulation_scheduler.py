@@ -92,6 +92,8 @@ class AccumulationScheduler(Callback):
         self._saved_grads: Optional[dict[str, torch.Tensor]] = None
         self._window_batches: list[Any] = []
         self._oom_count = 0
+        self._epoch_end = False
+        self._deepspeed = False
         self._trainer: Optional["pl.Trainer"] = None
 
     # ------------------------------------------------------------------ what the rest of lit_speed reads
@@ -124,13 +126,14 @@ class AccumulationScheduler(Callback):
             raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and "
                              "AccumulationScheduler both set accumulation; remove accumulate_grad_batches from the "
                              "Trainer (or use accumulation.factors={0: N})")
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
-        if isinstance(trainer.strategy, DeepSpeedStrategy):
-            raise ValueError(f"AccumulationScheduler does not support {type(trainer.strategy).__name__} yet: "
-                             "DeepSpeed keeps its own gradient_accumulation_steps; use strategy=ddp or auto")
-        if self.oom_recovery and trainer.world_size > 1:
-            self.oom_recovery = False  # a retry on one rank alone would desynchronise the collectives
+        self._deepspeed = _is_deepspeed(trainer)
+        if self._deepspeed and not _is_zero_strategy(trainer):
+            raise ValueError(f"AccumulationScheduler with {type(trainer.strategy).__name__}: use "
+                             "lit_speed.ZeroStrategy (strategy=zero1|zero2|zero3), which keeps DeepSpeed's "
+                             "gradient_accumulation_steps and boundary in step with this callback")
+        if self.oom_recovery and (trainer.world_size > 1 or self._deepspeed):
+            # a retry on one rank alone would desynchronise the collectives; DeepSpeed counts micro-steps itself
+            self.oom_recovery = False
         dm = trainer.datamodule
         if isinstance(self.micro_batch, int) or self.micro_batch == "auto":
             if dm is None or not hasattr(dm, "batch_size"):
@@ -184,6 +187,12 @@ class AccumulationScheduler(Callback):
                 params[name].grad = grad.to(device=params[name].device, dtype=params[name].dtype)
             self._saved_grads = None
         trainer.accumulate_grad_batches = self.current_factor
+        if self._deepspeed:
+            optimizer = trainer.strategy.deepspeed_engine.optimizer
+            if not hasattr(optimizer, "override_loss_scale") or getattr(optimizer, "dynamic_loss_scale", False):
+                raise ValueError(f"AccumulationScheduler normalises ZeRO gradients through the loss scale of "
+                                 f"DeepSpeed's ZeRO optimizer; {type(optimizer).__name__} (dynamic fp16 loss scaling "
+                                 f"or a non-ZeRO DeepSpeed optimizer) cannot; use precision=bf16-mixed or 32-true")
 
     # ------------------------------------------------------------------ the window
     def _position(self, trainer: "pl.Trainer") -> float:
@@ -232,20 +241,25 @@ class AccumulationScheduler(Callback):
                 config.scheduler.base_lrs = [lr * ratio for lr in config.scheduler.base_lrs]
         self._applied_lr_scale = scale
 
-    def run_batch(self, run: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
-        """Run one dataloader batch as ``pieces`` micro-batches; on OOM, retry the window with smaller ones."""
-        trainer = self._trainer
-        batch = kwargs["batch"]
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        # decided here, before the strategy's own on_train_batch_start (ZeroStrategy reads the decision)
         if self._pos == 0:
             self._start_window(trainer, batch)
-        epoch_end = lightning_internals.is_last_batch_of_epoch(trainer)  # ends a ragged window
+        self._epoch_end = lightning_internals.is_last_batch_of_epoch(trainer)  # ends a ragged window
+        self.zero_now = self._pos == 0
+        self.step_now = self._pieces == 1 and (self._pos + 1 == self._factor or self._epoch_end)
+
+    def run_batch(self, run: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
+        """Run one dataloader batch as ``pieces`` micro-batches; on OOM, retry the window with smaller ones."""
+        batch = kwargs["batch"]
         try:
-            output = self._run_pieces(run, optimizer, batch_idx, kwargs, batch, epoch_end)
+            return self._run_pieces(run, optimizer, batch_idx, kwargs, batch, self._epoch_end)
         except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError
             if not (self.oom_recovery and mb.is_oom_error(error)):
                 raise
-            output = self._retry_window(run, optimizer, batch_idx, kwargs, batch, epoch_end, error)
-        return output
+            return self._retry_window(run, optimizer, batch_idx, kwargs, batch, self._epoch_end, error)
 
     def _run_pieces(self, run: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any, batch: Any,
                     epoch_end: bool) -> Any:
@@ -306,11 +320,19 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+        if not self.step_now:  # DeepSpeed: Lightning calls the optimizer (and this hook) on every micro-batch
+            return
         totals = torch.tensor(self._window, dtype=torch.float64, device=pl_module.device)
         if trainer.world_size > 1:
             totals = trainer.strategy.reduce(totals, reduce_op="sum")
         items, samples, tokens = (float(v) for v in totals.tolist())
-        scale_gradients(pl_module.parameters(), window_scale(items, trainer.world_size))
+        scale = window_scale(items, trainer.world_size)
+        if self._deepspeed:
+            # ZeRO keeps gradients in flat partitions; its step divides them by the loss scale, so the
+            # normalisation rides on that (restored to 1 after the step, before the next backward)
+            trainer.strategy.deepspeed_engine.optimizer.override_loss_scale(1.0 / scale)
+        else:
+            scale_gradients(pl_module.parameters(), scale)
         self._last_items = items
         self._seen[0] += int(samples)
         self._seen[1] += int(tokens)
@@ -320,6 +342,8 @@ class AccumulationScheduler(Callback):
                            batch_idx: int) -> None:
         if not self.step_now:
             return
+        if self._deepspeed:
+            trainer.strategy.deepspeed_engine.optimizer.override_loss_scale(1.0)
         pl_module.log_dict({
             "accumulation/factor": float(self.current_factor),
             "accumulation/micro_batch": float(self._micro()),
@@ -352,3 +376,15 @@ class AccumulationScheduler(Callback):
         self._oom_count = state_dict.get("oom_count", 0)
         self._saved_grads = state_dict.get("partial_grads")
 
+
+
+def _is_deepspeed(trainer: "pl.Trainer") -> bool:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return isinstance(trainer.strategy, DeepSpeedStrategy)
+
+
+def _is_zero_strategy(trainer: "pl.Trainer") -> bool:
+    from lit_speed.strategies.zero_strategy import ZeroStrategy  # imports DeepSpeed: only when it is in use
+
+    return isinstance(trainer.strategy, ZeroStrategy)
