@@ -12,6 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torch.utils.data import DataLoader, Dataset
 
 from lit_speed import DeviceStatsLogger
@@ -77,6 +78,7 @@ def test_slow_dataloader_is_input_bound(tmp_path):
     assert result == json.loads(json.dumps(cb.final_summary()))
     assert result["verdict"] == "input-bound", result["summary"]
     assert result["evidence"]["batches"] == 5  # 6 steps, the first is warm-up (FLOP counting)
+    assert result["per_rank_memory_peak_bytes"] == [result["evidence"]["memory_peak_bytes"]]
     # 5 waits of >= 0.15 s were slept: the measured wait cannot be shorter
     assert result["evidence"]["data_wait_s"] >= 5 * 0.15
 
@@ -91,6 +93,20 @@ def test_compute_heavy_model_on_preloaded_data_is_compute_bound(tmp_path):
     per_layer = 2 * batch * width * width
     assert result["flops_per_batch"] == (4 + 4 + 3) * per_layer
     assert 0 < result["evidence"]["mfu"] == pytest.approx(result["evidence"]["flops_per_sec"] / result["peak_flops"])
+    assert not is_in_torch_dispatch_mode()  # the FLOP counter left after the first batch
+
+
+def test_accumulation_counts_one_micro_batch_and_logs_per_optimizer_step(tmp_path):
+    width, batch = 32, 4
+    cb = DeviceStatsLogger(interval=2, peak_flops=1e11)
+    fit(tmp_path, Regression(width, 2), Batches(10, batch, width), steps=4, callback=cb, logger=True,
+        accumulate_grad_batches=2)
+    assert not is_in_torch_dispatch_mode()
+    per_layer = 2 * batch * width * width
+    assert cb.flops_per_batch == (2 + 2 + 1) * per_layer  # the micro-batch's forward+backward, counted once
+    rows = [r for r in read_csv(tmp_path / "csv" / "metrics.csv") if r.get("time/batch_ms")]
+    assert [int(r["step"]) for r in rows] == [2, 4]  # 8 micro-batches, 4 optimizer steps
+    assert cb.final_summary()["evidence"]["batches"] == 7  # the first micro-batch is warm-up
 
 
 def test_huge_optimizer_is_optimizer_bound(tmp_path):
@@ -189,7 +205,6 @@ def test_bad_arguments_are_refused(kwargs, message):
 
 
 def test_missing_nvml_names_the_package():
-    pytest.importorskip("torch")  # always present; the real condition is below
     try:
         import pynvml  # noqa: F401
     except ModuleNotFoundError:
@@ -214,3 +229,46 @@ def test_gpu_keys_from_nvml_and_cuda_events(tmp_path):
     assert all(all(row.get(k) not in ("", None) for k in gpu_keys) for row in rows)
     assert 0 <= float(rows[-1]["stats/gpu_util_pct"]) <= 100
     assert cb.final_summary()["peak_flops_source"].startswith(("datasheet", "NVIDIA"))
+
+
+def test_yaml_keys_are_the_constructor_arguments():
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "callbacks" / "device_stats.yaml")
+    keys = set(node.device_stats) - {"_target_"}
+    assert keys == set(inspect.signature(DeviceStatsLogger.__init__).parameters) - {"self"}
+    assert node.device_stats._target_ == "lit_speed.monitoring.device_stats_logger.DeviceStatsLogger"
+
+
+def test_default_config_runs_it_and_writes_the_verdict(make_cfg, tmp_path):
+    from lit_speed.runner import train
+
+    cfg = make_cfg(["trainer.max_epochs=1", "trainer.limit_train_batches=6", "trainer.limit_val_batches=1",
+                    "trainer.log_every_n_steps=2", "trainer.enable_progress_bar=false", "validate=false"])
+    summary = train(cfg)
+    verdict = json.loads((tmp_path / "bottleneck.json").read_text())
+    assert summary["components"]["DeviceStatsLogger"]["verdict"] == verdict["verdict"]
+    assert verdict["evidence"]["batches"] == 5
+    assert summary["startup"]["device stats"].startswith("every log_every_n_steps")
+    rows = [r for r in read_csv(tmp_path / "csv" / "metrics.csv") if r.get("time/batch_ms")]
+    assert [int(r["step"]) for r in rows] == [2, 4, 6]  # interval=null follows trainer.log_every_n_steps
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_log_on_rank_zero_with_per_rank_memory(tmp_path):
+    from conftest import run_train_script
+
+    proc = run_train_script(["trainer=ddp_cpu", "strategy=ddp", "trainer.max_epochs=1", "trainer.limit_train_batches=6",
+                             "trainer.limit_val_batches=1", "trainer.log_every_n_steps=2", "validate=false",
+                             "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verdict = json.loads((tmp_path / "bottleneck.json").read_text())
+    assert verdict["world_size"] == 2
+    per_rank = verdict["per_rank_memory_peak_bytes"]
+    assert len(per_rank) == 2 and min(per_rank) > 0
+    assert verdict["evidence"]["memory_peak_bytes"] == max(per_rank)  # the verdict judges the fullest rank
+    assert proc.stdout.count("lit_speed bottleneck") == 1  # the table is printed by rank zero only
+    rows = [r for r in read_csv(tmp_path / "csv" / "metrics.csv") if r.get("time/batch_ms")]
+    assert [int(r["step"]) for r in rows] == [2, 4, 6]  # one row per interval, not one per rank

@@ -7,7 +7,8 @@ import torch
 from lit_speed.monitoring.device_stats_logger import interval_metrics
 from lit_speed.monitoring.diagnosis import (HEADROOM_GROW_FRAC, HEADROOM_TIGHT_FRAC, INPUT_BOUND_FRAC,
                                             OPTIMIZER_BOUND_FRAC, RunStats, diagnose, verdict_rows)
-from lit_speed.monitoring.flops import FlopCount, compute_dtype, gpu_peak_flops, measure_cpu_peak_flops
+from lit_speed.monitoring.flops import (FlopCount, compute_dtype, contains_compiled, gpu_peak_flops,
+                                       measure_cpu_peak_flops)
 from lit_speed.monitoring.samplers import summarize_gpu_samples
 from lit_speed.monitoring.step_timer import StepTimer, TimeSplit, attribute
 
@@ -190,3 +191,12 @@ def test_cpu_peak_probe_is_positive_and_cached():
 def test_cpu_peak_probe_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         measure_cpu_peak_flops(**kwargs)
+
+
+def test_compiled_models_are_recognised_so_flops_are_not_counted_under_compile():
+    # nn.Module.compile() only marks the module; nothing is compiled until it is called, so this is cheap
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    assert not contains_compiled(model)
+    model[1].compile()
+    assert contains_compiled(model), "torch changed where nn.Module.compile() keeps the compiled call"
+    assert contains_compiled(torch.compile(torch.nn.Linear(4, 4)))

@@ -14,7 +14,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_speed.monitoring.diagnosis import RunStats, diagnose, verdict_rows
-from lit_speed.monitoring.flops import FlopCount, compute_dtype, gpu_peak_flops, measure_cpu_peak_flops
+from lit_speed.monitoring.flops import (FlopCount, compute_dtype, contains_compiled, gpu_peak_flops,
+                                       measure_cpu_peak_flops)
 from lit_speed.monitoring.samplers import HostStats, NvmlSampler, summarize_gpu_samples
 from lit_speed.monitoring.step_timer import StepTimer, TimeSplit
 from lit_speed.run_summary import batch_size_and_tokens
@@ -128,7 +129,8 @@ class DeviceStatsLogger(Callback):
         self._last_step = 0
         self._samples = self._tokens = 0
         self._min_available: float | None = None
-        self._memory_peak = 0.0
+        self._memory_peak = 0.0  # max over ranks
+        self._own_memory_peak = 0.0
         self._gpu_util: list[float] = []
 
     @override
@@ -174,7 +176,11 @@ class DeviceStatsLogger(Callback):
             return
         if self.flops_per_batch is None and getattr(pl_module, "flops_per_batch", None):
             self.flops_per_batch = float(pl_module.flops_per_batch)
-        if self.measure_flops and self.flops_per_batch is None:
+        if self.measure_flops and self.flops_per_batch is None and contains_compiled(pl_module):
+            rank_zero_warn("DeviceStatsLogger: the model is torch.compile-d, and counting FLOPs under a dispatch mode "
+                           "would keep dynamo from compiling it; set `flops_per_batch` on the LightningModule (e.g. "
+                           "from an uncompiled run's bottleneck.json) to get perf/mfu")
+        elif self.measure_flops and self.flops_per_batch is None:
             try:
                 self._flops.start()
             except RuntimeError as error:  # e.g. a dispatch mode that refuses to nest
@@ -231,13 +237,14 @@ class DeviceStatsLogger(Callback):
                 metrics.update(summarize_gpu_samples(self._gpu.drain()))
                 if "stats/gpu_util_pct" in metrics:
                     self._gpu_util.append(metrics["stats/gpu_util_pct"])
+        key = "stats/gpu_mem_peak_reserved_bytes" if device.type == "cuda" else "stats/cpu_rss_peak_bytes"
+        self._own_memory_peak = max(self._own_memory_peak, metrics.get(key, 0.0))
         memory_keys = [k for k in ("stats/cpu_rss_peak_bytes", "stats/gpu_mem_peak_reserved_bytes") if k in metrics]
         if trainer.world_size > 1 and memory_keys:
             # the rank that runs out first is the one that matters; a small collective once per interval
             peaks = torch.tensor([metrics[k] for k in memory_keys], dtype=torch.float64, device=device)
             peaks = trainer.strategy.reduce(peaks, reduce_op="max")
             metrics.update({k: float(v) for k, v in zip(memory_keys, peaks.tolist())})
-        key = "stats/gpu_mem_peak_reserved_bytes" if device.type == "cuda" else "stats/cpu_rss_peak_bytes"
         self._memory_peak = max(self._memory_peak, metrics.get(key, 0.0))
         return metrics
 
@@ -272,8 +279,13 @@ class DeviceStatsLogger(Callback):
             samples_per_sec=self._total_samples / total if total else None,
             tokens_per_sec=self._total_tokens / total if total and self._total_tokens else None)
         self.result = diagnose(stats)
+        per_rank = [self._own_memory_peak]
+        if trainer.world_size > 1:
+            own = torch.tensor([self._own_memory_peak], dtype=torch.float64, device=device)
+            per_rank = trainer.strategy.all_gather(own).flatten().tolist()
         self.result.update({"flops_per_batch": self.flops_per_batch, "peak_flops": self._peak,
-                            "peak_flops_source": self._peak_source, "world_size": trainer.world_size})
+                            "peak_flops_source": self._peak_source, "world_size": trainer.world_size,
+                            "per_rank_memory_peak_bytes": per_rank})
         self._stop_sampler()
         if trainer.is_global_zero and not trainer.fast_dev_run:
             out = Path(self.dirpath or trainer.default_root_dir)

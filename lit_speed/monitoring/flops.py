@@ -104,6 +104,21 @@ def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024,
     return _cached_cpu_peak(dtype, torch.get_num_threads(), size, seconds)
 
 
+def contains_compiled(module: torch.nn.Module) -> bool:
+    """Whether any part of ``module`` is ``torch.compile``-d (wrapped, or compiled in place).
+
+    FLOP counting runs the batch under a ``TorchDispatchMode``, and dynamo skips, and may never again
+    compile, a frame first called under one (pytorch/pytorch#190286, #140909): counting the first batch
+    of a compiled model could silently undo the compilation, so the logger does not count it.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    # torch 2.13: nn.Module.compile() keeps the compiled call in the private `_compiled_call_impl`
+    # (tests/test_diagnosis.py fails loudly if that changes)
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in module.modules())
+
+
 class FlopCount:
     """Count FLOPs between :meth:`start` and :meth:`stop`, which may be called from different hooks.
 
