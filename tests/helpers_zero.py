@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, Subset  # noqa: E402
 
 from lit_speed.data.charlm import CharLMDataModule  # noqa: E402
 from lit_speed.models.gpt import GPTModule  # noqa: E402
@@ -34,10 +34,24 @@ CORPUS_BYTES = 200_000
 
 
 class OrderedCharLM(CharLMDataModule):
-    """charlm with the training windows in corpus order (deterministic across world sizes)."""
+    """charlm with the training windows in corpus order (deterministic across world sizes).
+
+    ``train_windows`` keeps only the first windows, so an epoch is a known number of batches.
+    """
+
+    def __init__(self, *args: Any, train_windows: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.train_windows = train_windows
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=False)
+        # an explicit ordered sampler (the Trainer runs with use_distributed_sampler=False): rank r of n takes
+        # windows r, r+n, r+2n, ... in every epoch
+        ds = self.train_dataset
+        if self.train_windows is not None:
+            ds = Subset(ds, range(self.train_windows))
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        sampler = DistributedSampler(ds, shuffle=False) if dist else SequentialSampler(ds)
+        return DataLoader(ds, batch_size=self.batch_size, sampler=sampler)
 
 
 class RecordingGPT(GPTModule):
@@ -65,10 +79,11 @@ def optimizer_factory(name: str, lr: float = 3e-3) -> Any:
     raise ValueError(f"optimizer must be adamw|sgd|cpu_adam, got {name!r}")
 
 
-def make_run(cache_dir: str | Path, batch_size: int = 8, optimizer: str = "adamw",
-             n_embd: int = 32, n_layer: int = 2, seed: int = 0) -> tuple[OrderedCharLM, RecordingGPT]:
+def make_run(cache_dir: str | Path, batch_size: int = 8, optimizer: str = "adamw", n_embd: int = 32,
+             n_layer: int = 2, seed: int = 0, train_windows: int | None = None) -> tuple[OrderedCharLM, RecordingGPT]:
     pl.seed_everything(seed, verbose=False)
-    dm = OrderedCharLM(cache_dir=str(cache_dir), block_size=32, batch_size=batch_size, max_bytes=CORPUS_BYTES)
+    dm = OrderedCharLM(cache_dir=str(cache_dir), block_size=32, batch_size=batch_size, max_bytes=CORPUS_BYTES,
+                       train_windows=train_windows)
     model = RecordingGPT(block_size=32, n_layer=n_layer, n_head=2, n_embd=n_embd,
                          optimizer=optimizer_factory(optimizer))
     return dm, model
@@ -84,9 +99,12 @@ def make_strategy(name: str, stage: int = 2, offload: bool = False) -> Any:
 
 def make_trainer(strategy: Any, devices: int = 1, max_steps: int = 6, root: str | Path | None = None,
                  **kwargs: Any) -> pl.Trainer:
+    kwargs.setdefault("enable_checkpointing", any(isinstance(c, pl.callbacks.ModelCheckpoint)
+                                                  for c in kwargs.get("callbacks", [])))
     return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      logger=False, enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                      use_distributed_sampler=False,
                       default_root_dir=root, **kwargs)
 
 
