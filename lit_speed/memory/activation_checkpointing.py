@@ -157,7 +157,8 @@ class ActivationCheckpointing(Callback):
     def describe(self) -> dict[str, str]:
         names = ", ".join(m if isinstance(m, str) else m.__name__ for m in self.modules)
         where = "; block inputs offloaded to host" if self.offload else ""
-        return {"activation checkpointing": f"{names} ({len(self.wrapped) or 'not yet'} wrapped){where}"}
+        done = f"{len(self.wrapped)} wrapped" if self.wrapped else "wrapped at setup"
+        return {"activation checkpointing": f"{names} ({done}){where}"}
 
     def final_summary(self) -> dict[str, Any]:
         return {"wrapped_modules": len(self.wrapped), "offload": self.offload}

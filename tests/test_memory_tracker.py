@@ -1,0 +1,37 @@
+"""LiveTensorTracker counts allocations exactly: sizes derived from shapes and dtypes."""
+from __future__ import annotations
+
+import torch
+
+from lit_speed.memory.memory_tracker import LiveTensorTracker, tensor_bytes
+
+
+def test_counts_new_storage_not_views_and_uncounts_frees():
+    x = torch.ones(1000)  # created outside: not counted
+    with LiveTensorTracker() as tracker:
+        a = x * 2                        # new float32 storage: 4000 bytes
+        v = a.view(10, 100).t()          # view: shares a's storage
+        a.add_(1)                        # in-place: no new storage
+        assert tracker.current_bytes == 1000 * 4
+        b = torch.zeros(500, dtype=torch.float64)  # 4000 bytes
+        assert tracker.current_bytes == 8000
+        del a, v
+        c = b + 1                        # a's storage is gone by now; c adds 4000
+        assert tracker.current_bytes == 8000
+    assert tracker.peak_bytes == 8000
+    assert c.numel() == 500
+
+
+def test_reset_peak_and_backward_counted():
+    w = torch.randn(64, 64, requires_grad=True)
+    with LiveTensorTracker() as tracker:
+        y = (torch.randn(32, 64) @ w).relu().sum()
+        tracker.reset_peak()
+        y.backward()
+    assert w.grad is not None
+    assert tracker.peak_bytes >= tensor_bytes(w.grad)  # the gradient was allocated inside backward
+
+
+def test_tensor_bytes_counts_shared_storage_once():
+    t = torch.zeros(10, 10)
+    assert tensor_bytes([t, t[0], {"k": t.t()}]) == 400
