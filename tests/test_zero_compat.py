@@ -83,3 +83,9 @@ def test_intercept_amends_device_rank_and_restores_deepspeed_initialize() -> Non
     assert deepspeed.initialize is original
     kept = compat.with_device_rank({"args": argparse.Namespace(device_rank=0)}, 3)
     assert kept["args"].device_rank == 0  # a real device index (CUDA) is left alone
+
+
+def test_auto_micro_batch_size_replaces_lightnings_private_hook() -> None:
+    source = inspect.getsource(DeepSpeedStrategy._format_batch_size_and_grad_accum_config)
+    assert "self._auto_select_batch_size()" in source, "ZeroStrategy._auto_select_batch_size is no longer called"
+    assert "fit_loop._data_source" in inspect.getsource(DeepSpeedStrategy._auto_select_batch_size)

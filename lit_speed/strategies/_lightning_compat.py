@@ -70,3 +70,21 @@ def with_device_rank(kwargs: dict[str, Any], device_rank: int) -> dict[str, Any]
     if isinstance(ds_args, argparse.Namespace) and getattr(ds_args, "device_rank", None) is None:
         kwargs["args"] = argparse.Namespace(**{**vars(ds_args), "device_rank": device_rank})
     return kwargs
+
+
+def auto_micro_batch_size(strategy: Any) -> int:
+    """The training micro-batch size for DeepSpeed's ``train_micro_batch_size_per_gpu`` (1 if unknown).
+
+    Replaces Lightning 2.6.6 ``DeepSpeedStrategy._auto_select_batch_size``, which reads
+    ``trainer.fit_loop._data_source.dataloader().batch_sampler.batch_size`` and fails when the sampler itself
+    yields batches (``DataLoader(sampler=BatchSampler(...), batch_size=None)``, as charlm does).
+    """
+    source = strategy.lightning_module.trainer.fit_loop._data_source
+    if not source.is_defined():
+        return 1
+    loader = source.dataloader()
+    for candidate in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None), loader):
+        size = getattr(candidate, "batch_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return 1

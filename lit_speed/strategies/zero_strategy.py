@@ -180,6 +180,9 @@ class ZeroStrategy(DeepSpeedStrategy):
             kwargs = compat.with_device_rank(kwargs, self.local_rank)
         return kwargs
 
+    def _auto_select_batch_size(self) -> int:  # Lightning 2.6.6 private hook, see _lightning_compat
+        return compat.auto_micro_batch_size(self)
+
     @override
     def init_deepspeed(self) -> None:
         self._log_estimate()
