@@ -102,6 +102,7 @@ class FaultTolerance(Callback):
         self.first_nonfinite_loss_step: int | None = None
         self.nonfinite_weights: list[str] = []
         self.failure: str | None = None
+        self._batch_step = 0
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -114,6 +115,11 @@ class FaultTolerance(Callback):
             self.checkpoint_io_name += " (unused: DeepSpeed writes its own folders)"
 
     @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        self._batch_step = trainer.global_step  # by batch end, global_step already counts this batch's step
+
+    @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         if not self.check_every_n_steps or batch_idx % self.check_every_n_steps:
@@ -122,8 +128,8 @@ class FaultTolerance(Callback):
         if loss is not None and not math.isfinite(float(loss)):
             self.nonfinite_losses += 1
             if self.first_nonfinite_loss_step is None:
-                self.first_nonfinite_loss_step = trainer.global_step
-                rank_zero_warn(f"Non-finite training loss ({float(loss)}) at step {trainer.global_step}.")
+                self.first_nonfinite_loss_step = self._batch_step
+                rank_zero_warn(f"Non-finite training loss ({float(loss)}) at step {self._batch_step}.")
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
