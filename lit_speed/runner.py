@@ -8,13 +8,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import hydra
 import lightning.pytorch as pl
+from hydra.errors import InstantiationException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
+
+from lit_speed.config_check import ConfigError
 
 from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.run_summary import RunSummary
@@ -116,16 +121,37 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+@contextmanager
+def _refusals_as_config_errors(before_training: Callable[[], bool]) -> Iterator[None]:
+    """Turn a component's refusal (ValueError, Lightning's MisconfigurationException, a missing file) into
+    :class:`ConfigError` with the component's own message, as long as no training batch has run."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except InstantiationException as error:
+        cause = error.__cause__ or error
+        raise ConfigError(f"{type(cause).__name__}: {cause}") from error
+    except (ValueError, MisconfigurationException, FileNotFoundError) as error:
+        if not before_training():
+            raise
+        raise ConfigError(f"{type(error).__name__}: {error}") from error
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict."""
     t0 = time.perf_counter()
-    parts = build(cfg)
-    trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
-    rows = startup_rows(cfg, parts)
+    with _refusals_as_config_errors(lambda: True):
+        parts = build(cfg)
+        trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
+        rows = startup_rows(cfg, parts)
     print_table("lit_speed run", rows)
 
-    # ckpt_path=last -> the newest checkpoint that verifies (damaged ones are skipped with a warning)
-    trainer.fit(model, datamodule=dm, ckpt_path=resolve_ckpt_path(cfg.get("ckpt_path"), trainer))
+    # a refusal raised while the Trainer sets up (strategy, precision, data, checkpoint) is a config error;
+    # once a training batch has run, errors propagate unchanged, with their traceback
+    with _refusals_as_config_errors(lambda: parts["run_summary"].samples == 0):
+        # ckpt_path=last -> the newest checkpoint that verifies (damaged ones are skipped with a warning)
+        trainer.fit(model, datamodule=dm, ckpt_path=resolve_ckpt_path(cfg.get("ckpt_path"), trainer))
     summary = parts["run_summary"].summary(trainer)
     if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run:
         val = trainer.validate(model, datamodule=dm, verbose=False)

@@ -19,16 +19,20 @@ from lit_speed.config_check import ConfigError, preflight  # noqa: E402
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from hydra.errors import InstantiationException
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from lit_speed.runner import optimized_metric, train
 
     try:
         summary = train(cfg)
-    except InstantiationException as error:
-        # a component refused its arguments: show its own message, not Hydra's wrapper
-        cause = error.__cause__ or error
-        raise ConfigError(f"{type(cause).__name__}: {cause}") from None
+    except ConfigError as error:
+        # a component refused the config before training: one line naming the setting and the fix.
+        # HYDRA_FULL_ERROR=1 shows the traceback; in a sweep the job fails and the others go on.
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise
+        print(f"Config error: {error}", file=sys.stderr)
+        sys.exit(2)
     return optimized_metric(cfg, summary)
 
 
