@@ -125,7 +125,8 @@ class CompileModel(Callback):
         uncompile_modules(pl_module)
 
     def describe(self) -> dict[str, str]:
-        what = f"{len(self.compiled)} blocks (regional)" if self.regional else "whole model"
+        blocks = f"{len(self.compiled)} blocks" if self.compiled else "repeated blocks, at setup"
+        what = f"{blocks} (regional)" if self.regional else "whole model"
         return {"compile": f"torch.compile {self.backend}/{self.mode}: {what}"}
 
     def final_summary(self) -> dict[str, Any]:
