@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+import shlex
+from typing import Any, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -37,23 +38,54 @@ def classify_failure(exception: BaseException, world_size: int = 1) -> str | Non
     return None
 
 
-def out_of_memory_advice(micro_batch: int | None) -> str:
-    """What to try after an out-of-memory, cheapest first."""
+def out_of_memory_advice(micro_batch: int | None, overrides: Sequence[str] = (), budget_mib: float | None = None
+                         ) -> str:
+    """What to try after an out-of-memory, ending with the planner command that ranks what fits.
+
+    Args:
+        micro_batch: The micro-batch size that ran out of memory, if known.
+        overrides: The run's command-line overrides (the planner takes the same ones).
+        budget_mib: Memory per process to plan for, if known.
+    """
     halve = f"data.batch_size={max(micro_batch // 2, 1)}" if micro_batch else "a smaller data.batch_size"
-    return (f"Fix: {halve} with accumulation=fixed to keep the effective batch, or add activation checkpointing, "
-            "bf16 precision or a ZeRO strategy with offload; lit_speed.plan(model, batch, budget_bytes=...) "
-            "ranks these settings by measured memory.")
+    plan = " ".join(["python scripts/plan.py", *(shlex.quote(o) for o in overrides)]
+                    + ([f"--budget-mib {budget_mib:.0f}"] if budget_mib else []))
+    return (f"Fix: {halve} with accumulation=fixed to keep the effective batch, activation checkpointing, bf16 "
+            f"precision, or a ZeRO strategy with offload. To see which of these fit, run: {plan}")
 
 
-def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
-    """Names of parameters holding a NaN or an infinity (of this process's shard, under ZeRO-3)."""
-    return [name for name, p in module.named_parameters() if p.numel() and not torch.isfinite(p.detach()).all()]
+def mapped_bytes() -> int | None:
+    """This process's mapped address space (Linux ``VmSize``), else ``None``."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    except (OSError, StopIteration):
+        return None
 
 
-def loss_value(outputs: Any) -> torch.Tensor | None:
-    """The loss a ``training_step`` returned (a tensor, or a dict with ``"loss"``), else ``None``."""
-    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+def memory_budget_mib(device: torch.device, mapped_at_start: int | None = None) -> float | None:
+    """Memory training may use: the GPU's total; on CPU, the address-space limit (RLIMIT_AS) minus what was
+    already mapped when training started, if a limit is set."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**20
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return (soft - (mapped_at_start or 0)) / 2**20
+
+
+def command_line_overrides() -> list[str]:
+    """The overrides of the running Hydra job (``[]`` outside one)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    except (ImportError, ValueError):
+        return []
 
 
 class FaultTolerance(Callback):
@@ -103,9 +135,11 @@ class FaultTolerance(Callback):
         self.nonfinite_weights: list[str] = []
         self.failure: str | None = None
         self._batch_step = 0
+        self._mapped_at_setup: int | None = None
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._mapped_at_setup = mapped_bytes()
         strategy = trainer.strategy
         # runs before Lightning restores ckpt_path, so the resume itself is verified too
         if self.atomic_checkpoints and type(strategy.checkpoint_io) is TorchCheckpointIO:
@@ -155,7 +189,8 @@ class FaultTolerance(Callback):
         where = f"at step {trainer.global_step} ({type(exception).__name__}: {first_line})"
         if kind == "out_of_memory":
             self.failure = f"Out of memory {where}. " + out_of_memory_advice(
-                getattr(trainer.datamodule, "batch_size", None))
+                getattr(trainer.datamodule, "batch_size", None), command_line_overrides(),
+                memory_budget_mib(pl_module.device, self._mapped_at_setup))
         else:
             try:
                 last = last_good_checkpoint(checkpoint_folders(trainer))
