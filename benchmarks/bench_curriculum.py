@@ -11,7 +11,7 @@
   validated every 25 steps on 4 x 64 windows; time to ``val/loss <= --charlm-target``.
 
 Each (workload, seed) pair runs both variants back to back in this process, with the same model init and
-order; the LOG line reports medians over seeds and how many seeds reached the target sooner, honestly.
+order, one torch thread; the LOG line reports medians over seeds and how many seeds reached the target sooner, honestly.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def fit(model, dm, stopper, max_steps, val_every, limit_val=1.0) -> dict:
     trainer = pl.Trainer(max_steps=max_steps, max_epochs=-1, val_check_interval=val_every,
                          check_val_every_n_epoch=None, limit_val_batches=limit_val, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, default_root_dir=tempfile.mkdtemp())
+                         num_sanity_val_steps=0, callbacks=[stopper], default_root_dir=tempfile.mkdtemp())
     trainer.fit(model, datamodule=dm)
     out = stopper.final_summary()
     out["steps_run"] = trainer.global_step
@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--skip-charlm", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    torch.set_num_threads(1)  # both variants alike; on a shared, oversubscribed machine 2 OpenMP threads thrash
     results = {"digits": compare("digits", digits_run, args.seeds, args.digits_target, 600)}
     if not args.skip_charlm:
         results["charlm"] = compare("charlm", charlm_run, args.seeds[:1], args.charlm_target, args.charlm_steps)

@@ -127,3 +127,14 @@ def test_epoch_pacing_unit_counts_full_data_epochs():
     dm.setup()
     assert dm.pace_batches == 150
     assert dm.fraction_at(75) == pytest.approx(0.25 + 0.75 * 0.5)
+
+
+def test_lightning_leaves_the_curriculum_sampler_in_place_under_ddp():
+    """Private Lightning 2.6.6 internal: ``_DataConnector._requires_distributed_sampler`` skips loaders whose
+    sampler is a ``DistributedSampler``. If Lightning changes this, it would wrap our sampler and shard it again."""
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    dm = _dm()
+    dm.setup()
+    plain = torch.utils.data.DataLoader(_data(), batch_size=BS, shuffle=True)
+    assert trainer._data_connector._requires_distributed_sampler(plain)  # the control: a plain loader is wrapped
+    assert not trainer._data_connector._requires_distributed_sampler(dm.train_dataloader())

@@ -57,6 +57,7 @@ def test_patience_never_fires_while_the_curriculum_widens(tmp_path):
     assert stopper.reason == "patience"
     assert trainer.global_step == 22
     assert dm.fraction_at(20) == 1.0 and dm.fraction_at(19) < 1.0
+    assert trainer.callback_metrics["curriculum/allowed_fraction"] == 1.0  # logged every step by the callback
 
 
 def test_without_waiting_patience_fires_during_widening(tmp_path):

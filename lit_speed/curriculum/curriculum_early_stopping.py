@@ -101,8 +101,11 @@ class CurriculumEarlyStopping(Callback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         dm = trainer.datamodule
-        if hasattr(dm, "fraction_at"):
-            pl_module.log("curriculum/allowed_fraction", dm.fraction_at(max(dm.batches_seen - 1, 0)))
+        if hasattr(dm, "fraction_at"):  # a CurriculumDataModule: log where the curriculum stands
+            g = max(dm.batches_seen - 1, 0)
+            pl_module.log("curriculum/allowed_fraction", dm.fraction_at(g))
+            if dm.seq_len_at(g) is not None:
+                pl_module.log("curriculum/seq_len_tokens", float(dm.seq_len_at(g)))
         if self.time_budget_s is None or self.reason is not None:
             return
         over = trainer.strategy.broadcast(self.elapsed() >= self.time_budget_s)  # rank 0's clock decides
