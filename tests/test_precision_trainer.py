@@ -100,6 +100,17 @@ def test_nan_for_n_steps_under_fallback_switches_mode_and_finishes_finite() -> N
     assert torch.isfinite(module.layer.weight).all() and not torch.equal(module.weights[-1], module.weights[3])
 
 
+def test_a_skipped_accumulation_window_is_dropped_whole_and_the_next_starts_clean() -> None:
+    module = FaultyRegressor(bad_steps=(1,), value=float("nan"))  # optimizer step 1 = batches 2 and 3
+    plugin = GuardedPrecision("32-true", on_nonfinite="skip")
+    fit(plugin, module, max_steps=3, accumulate_grad_batches=2)
+    w = module.weights  # one entry per batch: 0 1 | 2 3 | 4
+    assert torch.equal(w[3], w[1]) and not torch.equal(w[1], w[0]) and not torch.equal(w[4], w[3])
+    assert torch.isfinite(w[4]).all()  # the NaN gradients of window 1 were not carried into window 2
+    assert (plugin.counters.attempted_steps, plugin.counters.skipped_steps) == (3, 1)
+    assert module.scheduler.last_epoch == 2  # the schedule advanced for the 2 real steps only
+
+
 def test_raise_stops_with_the_step_the_value_and_what_to_try() -> None:
     module = FaultyRegressor(bad_steps=(2,))
     plugin = GuardedPrecision("16-mixed", on_nonfinite="raise", init_scale=1024.0)
@@ -207,3 +218,14 @@ def test_zero_strategy_takes_precision_over_from_the_plugin(monkeypatch: pytest.
     # DeepSpeed owns bf16 and loss scaling there: the plugin is replaced, never stacked (no double scaler)
     assert isinstance(trainer.precision_plugin, DeepSpeedPrecision)
     assert trainer.precision_plugin.precision == "bf16-mixed"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: fp16 autocast + GradScaler on cuda")
+def test_16_mixed_on_cuda_skips_an_inf_step_and_backs_off() -> None:
+    module = FaultyRegressor(bad_steps=(2,))
+    plugin = GuardedPrecision("16-mixed", init_scale=1024.0)
+    pl.Trainer(accelerator="gpu", devices=1, max_steps=4, plugins=[plugin], logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0).fit(module)
+    assert torch.equal(module.weights[2], module.weights[1]) and plugin.scaler.get_scale() == 512.0
+    assert module.out_dtypes == [torch.float16] * 4 and plugin.device_type == "cuda"

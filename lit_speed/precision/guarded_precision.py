@@ -221,7 +221,7 @@ class GuardedPrecision(Precision):
             return closure_result
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)  # clipping and hooks see true gradients; the step below too
-        self._after_closure(model, optimizer)
+        _before_step_hooks_and_clipping(self, model, optimizer)
         grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
         loss_finite = self._loss_finite if self._loss_finite is not None else torch.tensor(True)
         flags = torch.stack([loss_finite.cpu(), all_finite(grads).cpu()]).tolist()  # the one host sync
@@ -330,7 +330,9 @@ class GuardedPrecision(Precision):
         rank_zero_info(f"GuardedPrecision: resumed in {self.mode} ({self.counters.skipped_steps} skipped steps)")
 
     def describe(self) -> dict[str, str]:
-        """Rows for the start-up table."""
+        """Rows for the start-up table (before setup, ``auto`` is shown as resolved for the likely device)."""
+        if self.requested_mode == "auto" and not self._resolved:
+            self.mode, self.reason = self._resolve("cuda" if torch.cuda.is_available() else "cpu", probe=True)
         scaler = ", ".join(f"{k}={v:g}" for k, v in self.scaler_config.items())
         guard = self.on_nonfinite + (f" after {self.fallback_after} bad steps -> "
                                      f"{' -> '.join(self._chain or modes.default_chain(self.mode)) or 'none'}"
@@ -349,6 +351,16 @@ class GuardedPrecision(Precision):
                 "attempted_steps": self.counters.attempted_steps, "skipped_steps": self.counters.skipped_steps,
                 "nonfinite_rate": self.counters.nonfinite_rate, "fallbacks": list(self.counters.fallbacks),
                 "loss_scale": self.metrics()["precision/loss_scale"]}
+
+
+def _before_step_hooks_and_clipping(plugin: Precision, model: "pl.LightningModule", optimizer: Any) -> None:
+    """``on_before_optimizer_step`` hooks, then gradient clipping (on the unscaled gradients here).
+
+    The one private Lightning call of this plugin: ``Precision._after_closure(model, optimizer)``, written
+    against Lightning 2.6.6 (``MixedPrecision`` calls it the same way). ``tests/test_precision.py`` checks
+    its signature so a Lightning change fails loudly rather than skipping hooks or clipping.
+    """
+    plugin._after_closure(model, optimizer)
 
 
 def _trainer_of(module: nn.Module) -> "pl.Trainer | None":
