@@ -6,15 +6,15 @@ from typing import Any, Callable, Mapping, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_speed.accumulation import lightning_internals, micro_batch as mb
 from lit_speed.accumulation.schedule import (LR_SCALINGS, RAMPS, UNITS, check_choice, check_divisible,
                                              factor_at, factor_for_effective_batch, lr_scale, validate_schedule,
                                              value_at)
-from lit_speed.accumulation.window import (NORMALIZE, batch_samples, count_items, count_tokens, head_batch,
-                                           scale_gradients, split_batch, window_scale)
+from lit_speed.accumulation.window import (NORMALIZE, batch_samples, count_items, count_tokens, scale_gradients,
+                                           split_batch, window_scale)
 
 
 class AccumulationScheduler(Callback):
@@ -146,31 +146,10 @@ class AccumulationScheduler(Callback):
         lightning_internals.install(trainer, self)
 
     def _auto_micro_batch(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> int:
-        per_process = self.effective_batch[0] // trainer.world_size
-        batch = next(iter(trainer.datamodule.train_dataloader()))
-        if batch_samples(batch) < 2:
-            raise ValueError("accumulation.micro_batch='auto' probes micro-batches of 1 and 2 samples; "
-                             "the datamodule's batch_size must be >= 2")
-        batch = trainer.strategy.batch_to_device(batch)
-        was_training = pl_module.training
-        pl_module.train()
-        pl_module.log = lambda *args, **kwargs: None  # the probe runs outside Lightning's loop
-        try:
-            def loss_fn(b: Any) -> torch.Tensor:
-                out = pl_module.training_step(b, 0)
-                return out["loss"] if isinstance(out, Mapping) else out
-
-            per_sample, fixed = mb.measure_activation_model(loss_fn, batch, head_batch)
-        finally:
-            del pl_module.log
-            pl_module.train(was_training)
-            for metric in pl_module.modules():  # metrics updated by the probe's forward
-                if hasattr(metric, "reset") and type(metric).__module__.startswith("torchmetrics"):
-                    metric.reset()
-        candidates = [b for b in mb.divisor_candidates(per_process)
-                      if all(v % (b * trainer.world_size) == 0 for v in self.effective_batch.values())]
-        chosen = mb.pick_micro_batch(per_sample, fixed, self.memory_budget_mb * 2**20, candidates)
-        rank_zero_info(f"accumulation: micro_batch auto -> {chosen} ({per_sample / 2**20:.2f} MiB activations per "
+        batch = trainer.strategy.batch_to_device(next(iter(trainer.datamodule.train_dataloader())))
+        chosen, per_sample = mb.probe_micro_batch(pl_module, batch, self.effective_batch, trainer.world_size,
+                                                  self.memory_budget_mb)
+        rank_zero_info(f"accumulation: micro_batch auto -> {chosen} ({per_sample / 2**20:.3f} MiB activations per "
                        f"sample, budget {self.memory_budget_mb} MiB)")
         return chosen
 
@@ -358,6 +337,10 @@ class AccumulationScheduler(Callback):
                  "seen": list(self._seen), "loader_batch": self._loader_batch, "step_now": self.step_now,
                  "applied_lr_scale": self._applied_lr_scale, "oom_count": self._oom_count}
         if self._pos and self._trainer is not None:  # mid-window: the partial gradients are part of the state
+            if self._trainer.world_size > 1 or self._deepspeed:
+                rank_zero_warn("accumulation: checkpoint taken mid-window with several processes or ZeRO; it holds "
+                               "rank 0's partial gradients only, so resuming from it is not exact. Checkpoint at "
+                               "window ends (ModelCheckpoint(every_n_train_steps=...) does).")
             module = self._trainer.lightning_module
             state["partial_grads"] = {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters()
                                       if p.grad is not None}

@@ -8,9 +8,11 @@ linearly (activations grow linearly with the micro-batch; weights, gradients and
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
+
+from lit_speed.accumulation.window import batch_samples, head_batch
 
 # Substrings of the messages CUDA/cuBLAS/cuDNN/NCCL/MPS use for a failed allocation.
 OOM_MESSAGES = (
@@ -98,6 +100,43 @@ def measure_activation_model(loss_fn: Callable[[Any], torch.Tensor], batch: Any,
     two = saved_activation_bytes(lambda: loss_fn(_copy(slicer(batch, 2))))
     per_sample = max(two - one, 1)
     return float(per_sample), float(max(one - per_sample, 0))
+
+
+def probe_micro_batch(module: torch.nn.Module, batch: Any, effective_batch: Mapping[int, int], world_size: int,
+                      budget_mb: float) -> tuple[int, float]:
+    """Largest micro-batch whose saved activations fit ``budget_mb``, dividing every scheduled effective batch.
+
+    Runs the LightningModule's own ``training_step`` (forward only, logging muted, torchmetrics reset
+    afterwards) on 1 and 2 samples of a real batch.
+
+    Returns:
+        ``(micro_batch, activation_bytes_per_sample)``.
+
+    Raises:
+        ValueError: If the batch has fewer than 2 samples or nothing fits the budget.
+    """
+    if batch_samples(batch) < 2:
+        raise ValueError("accumulation.micro_batch='auto' probes micro-batches of 1 and 2 samples; "
+                         "the datamodule's batch_size must be >= 2")
+    was_training = module.training
+    module.train()
+    module.log = lambda *args, **kwargs: None  # the probe runs outside Lightning's loop, where self.log raises
+    try:
+        def loss_fn(b: Any) -> torch.Tensor:
+            out = module.training_step(b, 0)
+            return out["loss"] if isinstance(out, Mapping) else out
+
+        per_sample, fixed = measure_activation_model(loss_fn, batch, head_batch)
+    finally:
+        del module.log
+        module.train(was_training)
+        for metric in module.modules():  # metrics the probe's forward updated
+            if type(metric).__module__.startswith("torchmetrics") and hasattr(metric, "reset"):
+                metric.reset()
+    per_process = min(effective_batch.values()) // world_size
+    candidates = [b for b in divisor_candidates(per_process)
+                  if all(v % (b * world_size) == 0 for v in effective_batch.values())]
+    return pick_micro_batch(per_sample, fixed, budget_mb * 2**20, candidates), per_sample
 
 
 def _copy(batch: Any) -> Any:
