@@ -88,6 +88,17 @@ def command_line_overrides() -> list[str]:
         return []
 
 
+def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of parameters holding a NaN or an infinity (of this process's shard, under ZeRO-3)."""
+    return [name for name, p in module.named_parameters() if p.numel() and not torch.isfinite(p.detach()).all()]
+
+
+def loss_value(outputs: Any) -> torch.Tensor | None:
+    """The loss a ``training_step`` returned (a tensor, or a dict with ``"loss"``), else ``None``."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
 class FaultTolerance(Callback):
     """Make checkpoints atomic and make sure no run ends with non-finite weights without saying so.
 
