@@ -73,6 +73,8 @@ def overhead_run(workload: str, variant: str, micro_batches: int, cache: str) ->
     callbacks = [clock] + ([AccumulationScheduler(factors={0: 4})] if variant == "callback" else [])
     extra = {"accumulate_grad_batches": 4} if variant == "builtin" else {}
     _trainer(callbacks, max_steps=micro_batches // 4, limit_val_batches=0, **extra).fit(model, datamodule=dm)
+    if clock.batches != micro_batches:  # both variants must do the same work
+        raise RuntimeError(f"{variant} ran {clock.batches} micro-batches, expected {micro_batches}")
     return clock.seconds
 
 
@@ -118,9 +120,12 @@ def main() -> None:
         results["overhead"][workload]["ratio_callback_over_builtin"] = stats(ratios)
         print(workload, {v: round(statistics.median(t), 3) for v, t in times.items()},
               "ratio", round(statistics.median(ratios), 3))
-    for variant in ("plain_64", "fixed_256", "ramp_64_256"):
-        runs = [ramp_run(variant, seed, args.target, args.max_micro) for seed in args.seeds]
-        results["ramp"][variant] = runs
+    variants = ("plain_64", "fixed_256", "ramp_64_256")
+    results["ramp"] = {v: [] for v in variants}
+    for seed in args.seeds:  # variants back to back per seed, so load drift on a shared machine hits all alike
+        for variant in variants:
+            results["ramp"][variant].append(ramp_run(variant, seed, args.target, args.max_micro))
+    for variant, runs in results["ramp"].items():
         print(variant, runs)
 
     def med(variant: str, key: str) -> float | None:
