@@ -107,7 +107,8 @@ class AccumulationScheduler(Callback):
         what = (f"factors {self.factors}" if self.factors is not None
                 else f"effective batch {self.effective_batch} ({self.ramp} ramp)")
         return {"accumulation": f"{what} by {self.unit}; normalised per {self.normalize}; "
-                                f"lr scaling {self.lr_scaling}; micro-batch {self.micro_batch or 'from data'}"}
+                                f"lr scaling {self.lr_scaling}; micro-batch {self.micro_batch or 'from data'}; "
+                                f"OOM recovery {'on' if self.oom_recovery else 'off'}"}
 
     def final_summary(self) -> dict[str, Any]:
         return {"factor": self.current_factor, "micro_batch": self._micro(), "oom_retries": self._oom_count,
@@ -134,6 +135,7 @@ class AccumulationScheduler(Callback):
         if self.oom_recovery and (trainer.world_size > 1 or self._deepspeed):
             # a retry on one rank alone would desynchronise the collectives; DeepSpeed counts micro-steps itself
             self.oom_recovery = False
+            rank_zero_info("accumulation: OOM recovery is off (it needs a single process without DeepSpeed)")
         dm = trainer.datamodule
         if isinstance(self.micro_batch, int) or self.micro_batch == "auto":
             if dm is None or not hasattr(dm, "batch_size"):
