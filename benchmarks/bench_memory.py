@@ -60,13 +60,17 @@ def activation_peak(variant: str, micro: int) -> int:
 
 
 def child_rss(variant: str, micro: int) -> dict:
-    """Run in a fresh process: RSS growth over one training step (state created beforehand)."""
+    """Run in a fresh process: peak RSS over two training steps minus RSS after imports (MEASUREMENTS.md method).
+
+    Includes parameters, gradients and optimizer state (~13 MB here) and allocator slack, so it moves less than
+    the activation peak does.
+    """
     import psutil
 
-    model, opt = build(variant)
     x = torch.randint(0, 97, (micro, 64))
-    step(model, opt, x)  # creates optimizer state and warms the allocator up to steady state... mostly
     before = psutil.Process().memory_info().rss
+    model, opt = build(variant)
+    step(model, opt, x)
     step(model, opt, x)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"rss_growth_bytes": max(peak - before, 0)}
@@ -91,7 +95,8 @@ def child_compile(mode: str, micro: int, repeats: int) -> dict:
 
 
 def run_child(args: list[str], env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, cwd=ROOT,
+    threads = ["--threads", str(torch.get_num_threads())]
+    out = subprocess.run([sys.executable, __file__, *threads, "--child", *args], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, **(env or {})}, timeout=900)
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
@@ -103,8 +108,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--micro-batches", default="12,48")
     parser.add_argument("--skip-compile", action="store_true")
-    parser.add_argument("--child", nargs="+")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    # 1 thread: on a shared 2-core machine, 2 OpenMP threads spin against other jobs and run ~10x slower
+    torch.set_num_threads(args.threads)
     if args.child:
         kind, *rest = args.child
         result = child_rss(rest[0], int(rest[1])) if kind == "rss" else child_compile(rest[0], int(rest[1]), int(rest[2]))

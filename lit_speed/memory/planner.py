@@ -282,4 +282,7 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
              f"{next(model.parameters()).device.type}",
              "peak = most tensor bytes alive in one training step (like torch.cuda.max_memory_allocated)",
              "speed is measured for precision x checkpointing x micro-batch; ZeRO/multi-process factors are assumed"]
+    if next(model.parameters()).device.type == "cpu":
+        notes.append("measured on CPU: activation bytes carry over to a GPU for the same dtypes, speeds do not "
+                     "(re-run the planner there)")
     return Plan(rows, budget_bytes, notes)
