@@ -8,8 +8,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lit_speed
 from lit_speed.data.charlm import CharLMDataModule, TokenWindows
 from lit_speed.data.digits import DigitsDataModule
-from lit_speed.data.pipeline import (BatchFetch, jitter_images, loader_kwargs, preload, resolve_num_workers,
-                                     resolve_pin_memory, truncate_sequences)
+from lit_speed.data.pipeline import (BatchFetch, check_worker_options, jitter_images, loader_kwargs, preload,
+                                     resolve_num_workers, resolve_pin_memory, truncate_sequences)
 
 
 def _batches(loader, n=5, seed=0):
@@ -72,9 +72,11 @@ def test_loader_options_resolve_and_refuse_bad_values():
     with pytest.raises(ValueError, match="data.pin_memory must be 'auto', true or false, got 'yes'"):
         resolve_pin_memory("yes")
     with pytest.raises(ValueError, match=r"need data.num_workers > 0.*set num_workers"):
-        loader_kwargs(0, False, True, None)
+        check_worker_options(0, True, None)
     with pytest.raises(ValueError, match="data.prefetch_factor must be >= 1 or null, got 0"):
-        loader_kwargs(2, False, False, 0)
+        check_worker_options(2, False, 0)
+    check_worker_options("auto", True, 2)  # auto may resolve to 0 workers: the options are then dropped
+    assert loader_kwargs(0, False, True, 2) == {"num_workers": 0, "pin_memory": False, "persistent_workers": False}
     with pytest.raises(ValueError, match="need data.num_workers > 0"):
         DigitsDataModule(prefetch_factor=2)
     with pytest.raises(ValueError, match="need data.num_workers > 0"):

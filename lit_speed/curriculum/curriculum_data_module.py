@@ -12,8 +12,8 @@ from typing_extensions import override
 from lit_speed.curriculum.difficulty import difficulty_order, resolve_scores
 from lit_speed.curriculum.pacing import check_pacing, pacing_fraction, progress_at, seq_len_at
 from lit_speed.curriculum.sampler import CurriculumSampler
-from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, loader_kwargs, resolve_num_workers,
-                                     resolve_pin_memory, truncate_sequences)
+from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, check_worker_options, loader_kwargs,
+                                     resolve_num_workers, resolve_pin_memory, truncate_sequences)
 
 PACE_UNITS = ("steps", "epochs")
 
@@ -88,7 +88,7 @@ class CurriculumDataModule(pl.LightningDataModule):
         if seq_len_start is not None and seq_len_warmup <= 0:
             raise ValueError(f"seq_len_start={seq_len_start} needs seq_len_warmup > 0 (batches of the warm-up), "
                              f"got {seq_len_warmup}; set it, or seq_len_start=null")
-        loader_kwargs(resolve_num_workers(num_workers, False), False, persistent_workers, prefetch_factor)
+        check_worker_options(num_workers, persistent_workers, prefetch_factor)
         self.datamodule, self.train_dataset, self.val_dataset = datamodule, train_dataset, val_dataset
         self.batch_size = batch_size
         self.difficulty, self.reference_model = difficulty, reference_model

@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 from typing_extensions import override
 
-from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, loader_kwargs, resolve_num_workers,
-                                     resolve_pin_memory)
+from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, check_worker_options, loader_kwargs,
+                                     resolve_num_workers, resolve_pin_memory)
 
 # A fixed vocabulary (tab, newline, printable ASCII) so token ids never depend on corpus content;
 # any other character maps to "?" (index of "?").
@@ -235,8 +235,7 @@ class CharLMDataModule(pl.LightningDataModule):
         for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_val_windows", max_val_windows)):
             if value < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {value}")
-        workers = resolve_num_workers(num_workers, preload)
-        loader_kwargs(workers, False, bool(persistent_workers), prefetch_factor)
+        check_worker_options(num_workers, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["batch_transform"])
         self.batch_transform = batch_transform
         self.batch_size = batch_size

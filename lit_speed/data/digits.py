@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 from typing_extensions import override
 
-from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, loader_kwargs, resolve_num_workers,
-                                     resolve_pin_memory)
+from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, check_worker_options, loader_kwargs,
+                                     resolve_num_workers, resolve_pin_memory)
 
 
 def load_digits_tensors(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -66,7 +66,7 @@ class DigitsDataModule(pl.LightningDataModule):
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
-        loader_kwargs(resolve_num_workers(num_workers, preload), False, persistent_workers, prefetch_factor)
+        check_worker_options(num_workers, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["batch_transform"])
         self.batch_size = batch_size
         self.batch_transform = batch_transform

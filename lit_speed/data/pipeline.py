@@ -50,22 +50,28 @@ def resolve_pin_memory(value: bool | str, trainer: Any = None) -> bool:
     return value
 
 
-def loader_kwargs(num_workers: int, pin_memory: bool, persistent_workers: bool,
-                  prefetch_factor: int | None) -> dict[str, Any]:
-    """Keyword arguments for ``DataLoader``; refuses worker-only options without workers.
+def check_worker_options(num_workers: int | str, persistent_workers: bool | None, prefetch_factor: int | None) -> None:
+    """Refuse worker-only options next to an explicit ``num_workers=0`` (with ``auto`` they are dropped when unused).
 
     Raises:
-        ValueError: If ``persistent_workers`` or ``prefetch_factor`` is set while ``num_workers`` is 0.
+        ValueError: If ``persistent_workers`` or ``prefetch_factor`` is set while ``num_workers`` is 0, or
+            ``prefetch_factor`` < 1.
     """
+    resolve_num_workers(num_workers, preloaded=False)  # validates the value itself
     if num_workers == 0 and (persistent_workers or prefetch_factor is not None):
         raise ValueError(f"data.persistent_workers={persistent_workers} and data.prefetch_factor={prefetch_factor} "
                          "need data.num_workers > 0 (they configure worker processes); set num_workers, or "
                          "persistent_workers=false and prefetch_factor=null")
     if prefetch_factor is not None and prefetch_factor < 1:
         raise ValueError(f"data.prefetch_factor must be >= 1 or null, got {prefetch_factor}")
+
+
+def loader_kwargs(num_workers: int, pin_memory: bool, persistent_workers: bool,
+                  prefetch_factor: int | None) -> dict[str, Any]:
+    """Keyword arguments for ``DataLoader``; worker-only options are dropped when no worker runs."""
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory,
-                              "persistent_workers": persistent_workers}
-    if prefetch_factor is not None:
+                              "persistent_workers": bool(persistent_workers) and num_workers > 0}
+    if prefetch_factor is not None and num_workers > 0:
         kwargs["prefetch_factor"] = prefetch_factor
     return kwargs
 
