@@ -1,5 +1,6 @@
 """CurriculumEarlyStopping: patience units, waiting for the curriculum, stop_at, non-finite, time budget."""
 import math
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -72,6 +73,21 @@ def test_stop_at_stops_on_the_first_check_meeting_the_target(tmp_path):
     summary = stopper.final_summary()
     assert summary["reason"] == "target" and summary["target_step"] == 8 == trainer.global_step  # 4th check
     assert summary["target_time_s"] > 0 and summary["best"] == pytest.approx(0.89)
+
+
+def test_stop_is_written_to_the_loggers(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="es")
+    stopper = CurriculumEarlyStopping("val/metric", mode="max", patience=None, stop_at=0.9)
+    dm = CurriculumDataModule(train_dataset=_data(N), val_dataset=_data(8), batch_size=BS, pacing="none")
+    trainer = pl.Trainer(max_steps=20, val_check_interval=2, check_val_every_n_epoch=None, logger=logger,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         num_sanity_val_steps=0, callbacks=[stopper], default_root_dir=tmp_path)
+    trainer.fit(ScriptedMetric([0.5, 0.95]), datamodule=dm)
+    logger.save()
+    text = (Path(logger.log_dir) / "metrics.csv").read_text()
+    assert "early_stopping/target_time_s" in text and "early_stopping/stopped_step" in text
 
 
 def test_nan_metric_stops_with_that_reason(tmp_path):

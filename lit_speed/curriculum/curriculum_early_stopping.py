@@ -155,6 +155,11 @@ class CurriculumEarlyStopping(Callback):
         trainer.should_stop = True
         self.reason, self.message, self.stopped_step = reason, message, trainer.global_step
         rank_zero_info(f"CurriculumEarlyStopping: stopping ({reason}): {message}")
+        metrics = {"early_stopping/stopped_step": float(trainer.global_step), "early_stopping/train_time_s": self.elapsed()}
+        if self.target_time_s is not None:
+            metrics["early_stopping/target_time_s"] = self.target_time_s
+        for logger in trainer.loggers:  # the reason text is in final_summary(); loggers get the numbers
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     def final_summary(self) -> dict[str, Any]:
         """The stop reason and, if ``stop_at`` was met, the step and training seconds it took."""
