@@ -178,3 +178,16 @@ def test_micro_batch_int_needs_a_datamodule_batch_size():
     with pytest.raises(ValueError, match=r"micro_batch=4 sets datamodule.batch_size, but NoneType has none"):
         fit(TinyClassifier(), DataLoader(classification_data(16), batch_size=8),
             [AccumulationScheduler(factors={0: 2}, micro_batch=4)])
+
+
+def test_hydra_ramp_option_trains_through_the_runner(make_cfg):
+    from lit_speed.runner import train
+
+    cfg = make_cfg(["accumulation=ramp", "accumulation.effective_batch=[[0,64],[4,128]]", "trainer.max_steps=6",
+                    "trainer.max_epochs=1", "logger=none", "callbacks=none", "validate=false"])
+    summary = train(cfg)
+    assert summary["global_step"] == 6
+    component = summary["components"]["AccumulationScheduler"]
+    # steps 0-3 at 64 x 1, then the linear ramp reaches 128 = 64 x 2 at step 4
+    assert component["factor"] == 2 and component["micro_batch"] == 64
+    assert "linear ramp" in summary["startup"]["accumulation"]

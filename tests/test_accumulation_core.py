@@ -18,6 +18,8 @@ def test_validate_schedule_copies_and_accepts_a_valid_schedule():
     given = {0: 1, 200: 4, 1000: 8}
     out = validate_schedule(given, "accumulation.factors")
     assert out == given and out is not given
+    # the list form Hydra overrides replace instead of merging into the YAML default
+    assert validate_schedule([[0, 1], [200, 4], [1000, 8]], "accumulation.factors") == given
 
 
 @pytest.mark.parametrize("schedule, match", [
@@ -26,6 +28,8 @@ def test_validate_schedule_copies_and_accepts_a_valid_schedule():
     ({2: 4}, r"must start at position 0"),
     ({}, r"must not be empty"),
     ({0: 1.5}, r"must be integers"),
+    ([[0, 1], [0, 2]], r"keys must be strictly increasing, got \[0, 0\]"),
+    ([[0, 1, 2]], r"as a list must hold \[position, value\] pairs"),
 ])
 def test_validate_schedule_errors_name_the_setting(schedule, match):
     with pytest.raises(ValueError, match=match):

@@ -7,21 +7,22 @@ summed over processes). Nothing here touches Lightning, so every rule is testabl
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, Sequence
 
 UNITS = ("step", "epoch", "samples", "tokens")
 RAMPS = ("step", "linear")
 LR_SCALINGS = ("none", "linear", "sqrt")
 
 
-def validate_schedule(schedule: Mapping[int, int], name: str) -> dict[int, int]:
+def validate_schedule(schedule: Mapping[int, int] | Sequence[Sequence[int]], name: str) -> dict[int, int]:
     """Check a ``{position: value}`` schedule and return a copy with int keys and values.
 
     Keys must be integers >= 0, strictly increasing in the order given, starting at 0; values must be
-    integers >= 1.
+    integers >= 1. A list of ``[position, value]`` pairs is accepted too: Hydra *replaces* a list on the
+    command line (``accumulation.factors=[[0,1],[200,4]]``) but *merges* a dict into the YAML's default.
 
     Args:
-        schedule: The schedule as the user wrote it (a dict or a Hydra DictConfig).
+        schedule: The schedule as the user wrote it (a dict, a list of pairs, or their Hydra containers).
         name: The setting's name, used in error messages (e.g. ``"accumulation.factors"``).
 
     Raises:
@@ -32,11 +33,19 @@ def validate_schedule(schedule: Mapping[int, int], name: str) -> dict[int, int]:
 
         >>> validate_schedule({0: 1, 200: 4}, "factors")
         {0: 1, 200: 4}
+        >>> validate_schedule([[0, 1], [200, 4]], "factors")
+        {0: 1, 200: 4}
     """
     if not schedule:
         raise ValueError(f"{name} must not be empty; give at least {{0: <value>}}, e.g. {name}={{0: 4}}")
+    if isinstance(schedule, Mapping):
+        pairs = list(schedule.items())
+    else:
+        pairs = [tuple(pair) for pair in schedule]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError(f"{name} as a list must hold [position, value] pairs, got {list(schedule)}")
     items = []
-    for key, value in dict(schedule).items():
+    for key, value in pairs:
         try:
             ikey, ivalue = int(key), int(value)
         except (TypeError, ValueError):
