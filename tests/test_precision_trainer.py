@@ -138,8 +138,8 @@ def test_clipping_sees_unscaled_gradients() -> None:
     assert runs["16-mixed"].grad_norms[0] > 0.01  # so clipping really acted
     # SGD, lr 0.1, gradient clipped to norm 0.01: the update has norm 0.1 x 0.01 (1/1024 of it if clipped scaled)
     start = FaultyRegressor()
-    moved = torch.cat([(runs["16-mixed"].layer.weight - start.layer.weight).flatten(),
-                       (runs["16-mixed"].layer.bias - start.layer.bias).flatten()]).norm()
+    moved = torch.cat([(runs["16-mixed"].layer.weight - start.layer.weight).detach().flatten(),
+                       (runs["16-mixed"].layer.bias - start.layer.bias).detach().flatten()]).norm()
     assert float(moved) == pytest.approx(0.1 * 0.01, rel=1e-2)
 
 
