@@ -33,7 +33,7 @@ def test_yaml_keys_are_the_constructor_arguments() -> None:
         keys = set(yaml.safe_load((ROOT / "conf" / "strategy" / f"{option}.yaml").read_text())) - {"_target_"}
         assert keys <= params, keys - params
     cpu_adam = yaml.safe_load((ROOT / "conf" / "optimizer" / "cpu_adam.yaml").read_text())
-    assert cpu_adam["_target_"] == "deepspeed.ops.adam.DeepSpeedCPUAdam" and cpu_adam["_partial_"] is True
+    assert cpu_adam["_target_"] == "lit_speed.strategies.cpu_adam.CPUAdam" and cpu_adam["_partial_"] is True
 
 
 def test_raw_config_override_from_the_command_line_is_validated(make_cfg) -> None:

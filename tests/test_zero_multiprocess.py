@@ -70,13 +70,15 @@ def test_two_processes_match_one(tmp: Path, single: list[dict], ddp2: list[dict]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_offload_with_cpu_adam_matches_one_process(tmp: Path, stage: int) -> None:
-    # needs DeepSpeedCPUAdam: the first use JIT-builds it (~2 min on 2 cores), cached afterwards
-    reference = _run(tmp, f"single_cpu_adam{stage}", "--strategy", "ddp", "--devices", "1", "--batch", "8",
-                     "--optimizer", "cpu_adam")
+def test_offload_with_cpu_adam_matches_one_process(tmp: Path, single: list[dict], stage: int) -> None:
+    # needs DeepSpeedCPUAdam: the first use JIT-builds it (~2 min on 2 cores), cached afterwards.
+    # The reference keeps torch AdamW: DeepSpeedCPUAdam outside a DeepSpeed engine segfaults under Lightning
+    # (Lightning's optimizer wrapper inherits CPUAdam's __del__, which frees the C++ state the original
+    # still uses). Same AdamW math, different kernels (AVX vs ATen): rounding differs per step, so the
+    # tolerance is 1e-3 relative, still far below what a lost gradient shard or a wrong average would cost.
     ranks = _run(tmp, f"zero{stage}_offload", "--stage", str(stage), "--offload", "--devices", "2",
                  "--batch", "4", "--optimizer", "cpu_adam")
-    assert _mean_losses(ranks) == pytest.approx(reference[0]["losses"], rel=LOSS_RTOL)
+    assert _mean_losses(ranks) == pytest.approx(single[0]["losses"], rel=1e-3)
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")

@@ -145,3 +145,15 @@ def test_consolidate_script_and_its_error(cache: Path, tmp_path: Path) -> None:
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr
     bad = subprocess.run(script + [str(tmp_path), str(tmp_path / "x.ckpt")], capture_output=True, text=True)
     assert bad.returncode == 2 and "is not a DeepSpeed ZeRO checkpoint folder" in bad.stderr
+
+
+@pytest.mark.slow  # constructs DeepSpeedCPUAdam: a ~2 min JIT build on a cold cache
+def test_cpu_adam_survives_lightnings_optimizer_wrapper(cache: Path, tmp_path: Path) -> None:
+    # plain DeepSpeedCPUAdam segfaults here: Lightning's wrapper runs its __del__ and frees the C++ state.
+    # A subprocess, so a regression fails this test instead of killing pytest.
+    cmd = [sys.executable, str(ROOT / "tests" / "helpers_zero.py"), "--strategy", "ddp", "--devices", "1",
+           "--optimizer", "cpu_adam", "--steps", "4", "--cache", str(cache), "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    losses = __import__("json").loads((tmp_path / "rank0.json").read_text())["losses"]
+    assert len(losses) == 4 and losses[-1] < losses[0]

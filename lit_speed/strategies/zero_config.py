@@ -104,6 +104,15 @@ def validate_config(config: Mapping[str, Any]) -> None:
         raise ValueError("stage=3 does not support sparse_gradients=true; set sparse_gradients=false or stage<=2")
 
 
+def _cpu_offload_optimizer_types() -> tuple[type, ...]:
+    # importing the classes does not JIT-build their kernels (that happens on construction)
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.lion import DeepSpeedCPULion
+
+    return DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion
+
+
 def check_offload_optimizer(optimizer: Any, offload: bool) -> None:
     """Refuse CPU offload with an optimizer that cannot step on CPU-resident state.
 
@@ -111,7 +120,7 @@ def check_offload_optimizer(optimizer: Any, offload: bool) -> None:
         ValueError: Naming ``DeepSpeedCPUAdam`` and the Hydra override that selects it.
     """
     name = type(optimizer).__name__
-    if offload and name not in CPU_OFFLOAD_OPTIMIZERS:
+    if offload and not isinstance(optimizer, _cpu_offload_optimizer_types()):
         raise ValueError(
             f"offload_optimizer=True needs an optimizer that runs on CPU ({', '.join(CPU_OFFLOAD_OPTIMIZERS)}), "
             f"got {name}. Use DeepSpeedCPUAdam: Hydra override `optimizer=cpu_adam`, or in Python "
