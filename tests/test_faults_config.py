@@ -1,10 +1,10 @@
-"""Bad configs end ``scripts/train.py`` before training, with a message naming the setting and the fix.
+"""Bad configs end ``scripts/train.py`` before training with one message naming the setting and the fix.
 
 Each case runs the real entry point in a fresh interpreter once; two tests read its output:
 - ``..._refused_before_training``: exit code != 0, the component's message, and no training step ran;
-- ``..._one_clean_message``: and nothing but that message: no traceback (the stricter half of the contract,
-  which some errors do not meet yet; those cases are marked ``xfail(strict=True)`` with the reason, so the
-  day they are fixed the mark must go).
+- ``..._one_clean_message``: exit code 2 and nothing but that message: no traceback.
+Cross-component combinations (precision x strategy, strategy x optimizer, accumulation x memory) are refused
+by the component that owns the constraint, naming both sides.
 """
 from __future__ import annotations
 
@@ -20,31 +20,36 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
 from runs import explain, train  # noqa: E402
 
-TRACEBACK_REASON = ("scripts/train.py lets Hydra print the traceback of errors raised while building the run; "
-                    "the lead's fix (catch them in main and exit 2 with one line) is described in the issue-10 report")
+DAMAGED = Path(mkdtemp(prefix="damaged_ckpt_")) / "damaged.ckpt"
+DAMAGED.write_bytes(b"not a torch.save archive")
 
-# (overrides, what the message must say, slow?, the clean-output half fails today because ...)
+# name: (overrides, what the message must say, slow?)
 CASES = {
     "unknown_option": (["precision=fp8"], r"precision=fp8: unknown option 'fp8' for group 'precision'\. Valid choices",
-                       False, None),
+                       False),
     "unknown_key": (["trainer.max_epoch=3"], r"no key 'max_epoch' in 'trainer'\. Did you mean trainer\.max_epochs",
-                    False, None),
-    "out_of_range_constructor": (["data.batch_size=0"], r"data\.batch_size must be >= 1, got 0", False,
-                                 TRACEBACK_REASON),
-    "out_of_range_model": (["model.depth=0"], r"model\.depth and model\.hidden must be >= 1, got depth=0", True,
-                           TRACEBACK_REASON),
+                    False),
+    "out_of_range_constructor": (["data.batch_size=0"], r"data\.batch_size must be >= 1, got 0", False),
+    "damaged_checkpoint": ([f"ckpt_path={DAMAGED}"], r"damaged\.ckpt is unusable: it is truncated or not a "
+                           r"torch\.save archive.*Fix: ", False),
+    "out_of_range_model": (["model.depth=0"], r"model\.depth and model\.hidden must be >= 1, got depth=0", True),
     "bad_policy": (["callbacks.fault_tolerance.on_nonfinite_weights=ignore"],
-                   r"on_nonfinite_weights must be one of \('warn', 'raise'\), got 'ignore'\. Fix", True,
-                   TRACEBACK_REASON),
-    "out_of_range_trainer": (["trainer.devices=0"], r"Trainer\(devices=0\)` value is not a valid input", True,
-                             TRACEBACK_REASON),
-    "out_of_range_in_setup": (["data.val_fraction=1.5"], r"val_fraction must be in \(0, 1\), got 1\.5", True,
-                              TRACEBACK_REASON),
+                   r"on_nonfinite_weights must be one of \('warn', 'raise'\), got 'ignore'\. Fix", True),
+    "out_of_range_trainer": (["trainer.devices=0"], r"Trainer\(devices=0\)` value is not a valid input", True),
+    "out_of_range_in_setup": (["data.val_fraction=1.5"], r"val_fraction must be in \(0, 1\), got 1\.5", True),
     "missing_checkpoint": (["ckpt_path=/nonexistent/x.ckpt"], r"ckpt_path=/nonexistent/x\.ckpt: no such file\. Fix",
-                           True, TRACEBACK_REASON),
+                           True),
+    "unknown_curriculum_pacing": (["data=digits_curriculum", "data.pacing=foo"],
+                                  r"pacing must be one of \('linear', .*got 'foo'", True),
     "incompatible_fp16_zero_cpu": (["precision=16-mixed", "strategy=zero2"],
                                    r"precision='16-mixed' is not supported by DeepSpeed on the CPU.*use precision=",
-                                   True, TRACEBACK_REASON),
+                                   True),
+    "incompatible_offload_torch_optimizer": (["strategy=zero2_offload"],
+                                             r"offload_optimizer=True needs an optimizer that runs on CPU.*got AdamW"
+                                             r".*optimizer=cpu_adam", True),
+    "incompatible_auto_micro_batch_without_budget": (["accumulation=ramp", "accumulation.micro_batch=auto"],
+                                                     r"accumulation\.micro_batch='auto' needs .*memory_budget_mb",
+                                                     True),
 }
 
 
@@ -54,17 +59,11 @@ def _run(case: str) -> tuple[CompletedProcess, Path]:
     return train([*CASES[case][0], "trainer.max_epochs=1"], run_dir, timeout=300), run_dir
 
 
-def _params(strict_half: bool) -> list:
-    params = []
-    for case, (_, _, slow, failing_because) in CASES.items():
-        marks = [pytest.mark.slow] if slow else []
-        if strict_half and failing_because:
-            marks.append(pytest.mark.xfail(strict=True, reason=failing_because))
-        params.append(pytest.param(case, marks=marks, id=case))
-    return params
+PARAMS = [pytest.param(case, marks=[pytest.mark.slow] if slow else [], id=case)
+          for case, (_, _, slow) in CASES.items()]
 
 
-@pytest.mark.parametrize("case", _params(strict_half=False))
+@pytest.mark.parametrize("case", PARAMS)
 def test_bad_config_is_refused_before_training_with_a_message_naming_the_setting(case):
     proc, run_dir = _run(case)
     assert proc.returncode != 0, explain(proc)
@@ -72,8 +71,9 @@ def test_bad_config_is_refused_before_training_with_a_message_naming_the_setting
     assert not (run_dir / "checkpoints").exists() and "Epoch 0" not in proc.stdout, "training started"
 
 
-@pytest.mark.parametrize("case", _params(strict_half=True))
+@pytest.mark.parametrize("case", PARAMS)
 def test_bad_config_output_is_one_clean_message(case):
     proc, _ = _run(case)
-    assert proc.returncode != 0, explain(proc)
+    assert proc.returncode == 2, explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)
+    assert len(re.findall(r"^Config error: ", proc.stderr, flags=re.M)) == 1, explain(proc)

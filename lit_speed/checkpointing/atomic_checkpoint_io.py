@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 PREVIOUS_SUFFIX = ".prev"  # last.ckpt -> last.ckpt.prev: the version a save replaced, kept as a fallback
 
 
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint file that is truncated, damaged or not a checkpoint at all."""
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file that is truncated, damaged or not a checkpoint at all (bad input: a ``ValueError``)."""
 
 
 def previous_path(path: _PATH) -> Path:
