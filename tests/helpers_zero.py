@@ -118,13 +118,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--n-embd", type=int, default=32)
+    p.add_argument("--train-windows", type=int, default=None, help="windows per epoch (for resume tests)")
+    p.add_argument("--save-every", type=int, default=None, help="ZeRO checkpoint folder every N steps, in --out")
+    p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
     p.add_argument("--cache", required=True)
     p.add_argument("--out", required=True, help="folder for rank<k>.json")
     a = p.parse_args(argv)
-    dm, model = make_run(a.cache, a.batch, a.optimizer, n_embd=a.n_embd)
-    trainer = make_trainer(make_strategy(a.strategy, a.stage, a.offload), a.devices, a.steps)
-    trainer.fit(model, dm)
+    dm, model = make_run(a.cache, a.batch, a.optimizer, n_embd=a.n_embd, train_windows=a.train_windows)
     out = Path(a.out)
+    callbacks = [] if a.save_every is None else [
+        pl.callbacks.ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=a.save_every, save_top_k=-1)]
+    trainer = make_trainer(make_strategy(a.strategy, a.stage, a.offload), a.devices, a.steps, callbacks=callbacks)
+    trainer.fit(model, dm, ckpt_path=a.resume)
     out.mkdir(parents=True, exist_ok=True)
     result = {"rank": trainer.global_rank, "world_size": trainer.world_size, "losses": model.losses,
               "global_step": trainer.global_step,

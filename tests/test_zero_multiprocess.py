@@ -89,3 +89,17 @@ def test_torchrun_launch_matches_lightnings_launcher(tmp: Path, single: list[dic
     ranks = _run(tmp, "torchrun", "--stage", "2", "--devices", "2", "--batch", "4", launcher=launcher)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert _mean_losses(ranks) == pytest.approx(single[0]["losses"], rel=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_resume_in_a_different_world_size(tmp: Path, stage: int) -> None:
+    # saved by 2 ranks after step 3 (= one epoch of 24 windows), resumed by 1 process: DeepSpeed re-partitions
+    # ZeRO-1/2 optimizer state across a new world size; the losses must continue as the 1-process run's
+    epoch = ["--train-windows", "24", "--stage", str(stage)]
+    reference = _run(tmp, f"ref_ws{stage}", *epoch, "--devices", "1", "--batch", "8")
+    _run(tmp, f"two_ws{stage}", *epoch, "--devices", "2", "--batch", "4", "--save-every", "3")
+    ckpt = tmp / f"two_ws{stage}" / "ckpt" / "epoch=0-step=3.ckpt"
+    assert ckpt.is_dir()
+    resumed = _run(tmp, f"one_ws{stage}", *epoch, "--devices", "1", "--batch", "8", "--resume", str(ckpt))
+    assert resumed[0]["global_step"] == STEPS
+    assert resumed[0]["losses"] == pytest.approx(reference[0]["losses"][3:], rel=LOSS_RTOL)
