@@ -32,17 +32,29 @@ from lit_speed.models.mlp import MLPClassifier  # noqa: E402
 SIGKILLED = -9
 TOTAL_STEPS = 3 * STEPS_PER_EPOCH
 
-# (extra overrides, exact?) -- exact = bitwise; every case here is a deterministic CPU run, so all are exact
+# (extra overrides, kill range): every case is a deterministic CPU run, so every case must be bitwise exact.
+# The kill lands after the first checkpoint (end of epoch 1) and before the last step.
+DEFAULT_KILL_RANGE = (STEPS_PER_EPOCH + 1, TOTAL_STEPS - 1)
+# ramp 64 -> 128 samples per step at step 4: epoch 1 = 4 steps of 1 micro-batch + 2 of 2 (ends at step 6),
+# epochs 2 and 3 = 4 steps each (14 in all)
+RAMP = ["accumulation=ramp", "accumulation.effective_batch=[[0,64],[4,128]]"]
 MATRIX = [
-    pytest.param([], id="32true-auto-noaccum-nocurriculum"),
-    pytest.param(["precision=bf16-mixed"], id="bf16mixed-auto-noaccum-nocurriculum", marks=pytest.mark.slow),
-    pytest.param(["strategy=zero2"], id="32true-zero2-noaccum-nocurriculum", marks=pytest.mark.slow),
+    pytest.param([], DEFAULT_KILL_RANGE, id="32true-auto-noaccum-nocurriculum"),
+    pytest.param(["precision=bf16-mixed"], DEFAULT_KILL_RANGE, id="bf16mixed-auto-noaccum-nocurriculum",
+                 marks=pytest.mark.slow),
+    pytest.param(["strategy=zero2"], DEFAULT_KILL_RANGE, id="32true-zero2-noaccum-nocurriculum",
+                 marks=pytest.mark.slow),
+    pytest.param(RAMP, (7, 13), id="32true-auto-ramp-nocurriculum", marks=pytest.mark.slow),
+    pytest.param(["data=digits_curriculum"], DEFAULT_KILL_RANGE, id="32true-auto-noaccum-curriculum",
+                 marks=pytest.mark.slow),
+    pytest.param(["precision=bf16-mixed", "strategy=zero2", *RAMP, "data=digits_curriculum"], (7, 13),
+                 id="bf16mixed-zero2-ramp-curriculum", marks=pytest.mark.slow),
 ]
 
 
-def _kill_step(case_id: str) -> int:
-    """A random step after the first checkpoint and before the end; seeded by the case, so reruns agree."""
-    return random.Random(case_id).randint(STEPS_PER_EPOCH + 1, TOTAL_STEPS - 1)
+def _kill_step(case_id: str, kill_range: tuple[int, int]) -> int:
+    """A random step in ``kill_range``, seeded by the case, so reruns kill at the same step."""
+    return random.Random(case_id).randint(*kill_range)
 
 
 def _both(*jobs: tuple[list[str], Path]) -> list:
@@ -56,9 +68,9 @@ def _assert_same_training_state(reference: Path, resumed: Path) -> None:
     assert not different, f"{len(different)}/{len(diffs)} tensors differ from the uninterrupted run: {different}"
 
 
-@pytest.mark.parametrize("extra", MATRIX)
-def test_sigkill_at_a_random_step_then_resume_matches_the_uninterrupted_run(tmp_path, extra, request):
-    step = _kill_step(request.node.callspec.id)
+@pytest.mark.parametrize("extra, kill_range", MATRIX)
+def test_sigkill_at_a_random_step_then_resume_matches_the_uninterrupted_run(tmp_path, extra, kill_range, request):
+    step = _kill_step(request.node.callspec.id, kill_range)
     args = SHORT_RUN + extra
     reference, killed = _both((args, tmp_path / "reference"), (args + kill_at(step), tmp_path / "run"))
     assert reference.returncode == 0, explain(reference)
