@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 #: ``perf/mfu`` only when the peak is known. Memory keys are the max over ranks; the rest are rank zero's.
 METRICS = {
     "time/batch_ms": "mean wall time per training batch, milliseconds",
-    "time/data_wait_frac": "share of batch time the loop waited for the next batch (0-1)",
-    "time/forward_backward_frac": "share of batch time in forward + backward (0-1)",
-    "time/optimizer_frac": "share of batch time in the optimizer step (0-1)",
+    "time/data_wait_frac": "share of batch time between batches: fetching the next one, plus the loop's logging (0-1)",
+    "time/forward_backward_frac": "share of batch time in zero_grad + forward + backward (0-1)",
+    "time/optimizer_frac": "share of batch time in gradient clipping + optimizer.step + LR scheduler (0-1)",
     "throughput/samples_per_sec": "training samples per second",
     "throughput/tokens_per_sec": "training tokens per second (integer (B, T) batches only)",
     "perf/tflops_per_sec": "achieved model TFLOP/s (FLOPs counted on the first batch)",
