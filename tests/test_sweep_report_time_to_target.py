@@ -41,11 +41,11 @@ def test_records_first_validation_meeting_target_and_stops(tmp_path) -> None:
     summary = timer.final_summary()
     assert summary["reached"] and summary["target_step"] == first
     assert trainer.global_step == first  # stopped at that validation
-    assert 0.0 < summary["time_to_target_s"]
+    assert 0.0 < summary["time_to_target_s"] and 0.0 < summary["cpu_time_to_target_s"]
 
 
 def test_unreachable_target_is_reported_not_reached(tmp_path) -> None:
     timer, _, trainer = fit(tmp_path, target=1.01, stop=True)  # accuracy can never exceed 1
     assert trainer.global_step == 60
     assert timer.final_summary() == {"target": 1.01, "monitor": "val/acc", "mode": "max", "reached": False,
-                                     "time_to_target_s": None, "target_step": None}
+                                     "time_to_target_s": None, "cpu_time_to_target_s": None, "target_step": None}

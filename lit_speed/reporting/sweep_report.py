@@ -55,10 +55,14 @@ def load_job(job_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def _time_to_target(summary: dict[str, Any]) -> tuple[float | None, int | None, bool]:
-    """(seconds, step, measured) from any component that reports ``time_to_target_s``."""
-    for part in (summary.get("components") or {}).values():
-        if isinstance(part, dict) and "time_to_target_s" in part:
-            return part["time_to_target_s"], part.get("target_step", part.get("step")), True
+    """(seconds, step, measured) from the component that measured it (TimeToTarget, or early stopping's stop_at)."""
+    parts = [p for p in (summary.get("components") or {}).values() if isinstance(p, dict)]
+    for part in parts:  # TimeToTarget: seconds since fit start
+        if "time_to_target_s" in part:
+            return part["time_to_target_s"], part.get("target_step"), True
+    for part in parts:  # CurriculumEarlyStopping(stop_at=...): seconds of training
+        if part.get("target") is not None and "target_time_s" in part:
+            return part["target_time_s"], part.get("target_step"), True
     return None, None, False
 
 

@@ -53,15 +53,24 @@ class TimeToTarget(Callback):
         self.stop = stop
         self.time_to_target_s: float | None = None
         self.target_step: int | None = None
+        self.cpu_time_to_target_s: float | None = None
         self._elapsed_before = 0.0  # seconds spent in earlier processes of a resumed run
+        self._cpu_before = 0.0
         self._start = 0.0
+        self._cpu_start = 0.0
 
     def elapsed(self) -> float:
+        """Wall seconds since fit start (plus those of earlier processes of a resumed run)."""
         return self._elapsed_before + (time.perf_counter() - self._start)
+
+    def cpu_elapsed(self) -> float:
+        """This process's CPU seconds since fit start: on a shared machine, far steadier than wall time."""
+        return self._cpu_before + (time.process_time() - self._cpu_start)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._start = time.perf_counter()
+        self._cpu_start = time.process_time()
 
     @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -76,6 +85,7 @@ class TimeToTarget(Callback):
         if not met:
             return
         self.time_to_target_s = round(self.elapsed(), 3)
+        self.cpu_time_to_target_s = round(self.cpu_elapsed(), 3)
         self.target_step = trainer.global_step
         shown = "?" if value is None else f"{float(value):.4f}"
         rank_zero_info(f"TimeToTarget: {self.monitor}={shown} met target {self.target} at step "
@@ -84,7 +94,7 @@ class TimeToTarget(Callback):
     def final_summary(self) -> dict[str, Any]:
         return {"target": self.target, "monitor": self.monitor, "mode": self.mode,
                 "reached": self.time_to_target_s is not None, "time_to_target_s": self.time_to_target_s,
-                "target_step": self.target_step}
+                "cpu_time_to_target_s": self.cpu_time_to_target_s, "target_step": self.target_step}
 
     def describe(self) -> dict[str, str]:
         op = "<=" if self.mode == "min" else ">="
@@ -92,11 +102,15 @@ class TimeToTarget(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        elapsed = self.elapsed() if self._start else self._elapsed_before
-        return {"time_to_target_s": self.time_to_target_s, "target_step": self.target_step, "elapsed_s": elapsed}
+        started = bool(self._start)
+        return {"time_to_target_s": self.time_to_target_s, "cpu_time_to_target_s": self.cpu_time_to_target_s,
+                "target_step": self.target_step, "elapsed_s": self.elapsed() if started else self._elapsed_before,
+                "cpu_elapsed_s": self.cpu_elapsed() if started else self._cpu_before}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.time_to_target_s = state_dict.get("time_to_target_s")
         self.target_step = state_dict.get("target_step")
+        self.cpu_time_to_target_s = state_dict.get("cpu_time_to_target_s")
         self._elapsed_before = float(state_dict.get("elapsed_s", 0.0))
+        self._cpu_before = float(state_dict.get("cpu_elapsed_s", 0.0))

@@ -1,0 +1,176 @@
+"""Check that lit_speed works, and speeds things up, on *your* hardware; print a pass/fail table.
+
+    python scripts/selfcheck.py          # CPU checks (a minute or two): the wiring and this CPU's bf16 support
+    python scripts/selfcheck.py --gpu    # GPU-only checks the test suite skips on CPU machines
+
+Every check runs real training commands (``scripts/train.py``, one fresh process each) and reads
+their ``summary.json``. GPU checks: bf16-mixed and 16-mixed give more tokens/s than 32-true on the
+charlm GPT; the device-stats logger reads NVML (``stats/gpu_util_pct`` in the CSV log); ZeRO-2 with
+optimizer offload trains on CUDA to a finite loss. With ``--gpu`` and no CUDA device, every GPU check is
+listed as not run with the reason, and the exit code is 1 (nothing was verified).
+Exit code: 0 when every check that ran passed and at least one ran; 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+CHARLM = ["experiment=charlm_cpu", "trainer.max_steps=60", "trainer.val_check_interval=30",
+          "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false"]
+MIN_SPEEDUP = 1.05  # a low-precision mode must beat fp32 by more than run-to-run noise to count as faster
+
+
+@dataclass
+class Result:
+    name: str
+    status: str   # "pass" | "fail" | "not run"
+    detail: str
+
+
+def speedup_verdict(fp32_tokens_per_sec: float, low_tokens_per_sec: float, min_speedup: float = MIN_SPEEDUP) -> tuple[bool, str]:
+    """Whether a low-precision mode is faster than fp32, and the measured ratio in words."""
+    ratio = low_tokens_per_sec / fp32_tokens_per_sec
+    return ratio >= min_speedup, f"x{ratio:.2f} tokens/s vs 32-true (pass needs >= x{min_speedup})"
+
+
+def exit_code(results: list[Result]) -> int:
+    ran = [r for r in results if r.status != "not run"]
+    return 0 if ran and all(r.status == "pass" for r in ran) else 1
+
+
+def train(overrides: list[str], out: Path) -> dict:
+    """Run scripts/train.py in a fresh process; return its summary.json (raise with its stderr on failure)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *overrides, f"hydra.run.dir={out}"],
+                          cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def check_default_run(tmp: Path) -> Result:
+    s = train(["trainer.max_epochs=5", "trainer.enable_progress_bar=false"], tmp / "digits")
+    acc = s["final_val"]["val/acc"]
+    return Result("default digits run (5 epochs)", "pass" if acc >= 0.9 else "fail", f"val/acc {acc:.3f} (pass >= 0.9)")
+
+
+def check_charlm_cpu(tmp: Path) -> Result:
+    s = train(CHARLM + ["trainer=cpu"], tmp / "charlm")
+    loss, base = s["final_val"]["val/loss"], s["unigram_baseline"]
+    return Result("charlm GPT learns (60 steps, CPU)", "pass" if loss < base else "fail",
+                  f"val/loss {loss:.3f} vs unigram baseline {base:.3f}; {s['tokens_per_sec']:,.0f} tokens/s")
+
+
+def check_cpu_bf16(tmp: Path) -> Result:
+    import torch
+
+    from lit_speed.precision.probe import cpu_has_native_bf16, measure_slowdown
+
+    ratio = measure_slowdown(torch.bfloat16)
+    native = cpu_has_native_bf16()
+    advice = "bf16-mixed can pay off here" if native and ratio < 1.5 else "stay with 32-true on this CPU"
+    return Result("CPU bf16 matmul (information)", "pass",
+                  f"native bf16 kernels: {native}; bf16 matmul takes x{ratio:.2f} the fp32 time: {advice}")
+
+
+def _precision_speedup(mode: str, tmp: Path) -> Result:
+    fp32 = train(CHARLM + ["trainer=gpu", "precision=32-true"], tmp / "fp32")
+    low = train(CHARLM + ["trainer=gpu", f"precision={mode}"], tmp / mode)
+    ok, words = speedup_verdict(fp32["tokens_per_sec"], low["tokens_per_sec"])
+    finite = math.isfinite(low["final_val"]["val/loss"])
+    return Result(f"{mode} faster than 32-true (CUDA)", "pass" if ok and finite else "fail",
+                  words + ("" if finite else "; val/loss is not finite"))
+
+
+def check_bf16_gpu(tmp: Path) -> Result:
+    return _precision_speedup("bf16-mixed", tmp)
+
+
+def check_fp16_gpu(tmp: Path) -> Result:
+    return _precision_speedup("16-mixed", tmp)
+
+
+def check_nvml(tmp: Path) -> Result:
+    train(CHARLM + ["trainer=gpu", "callbacks=[device_stats]", "logger=csv", "trainer.log_every_n_steps=10"], tmp / "nvml")
+    files = list((tmp / "nvml").rglob("metrics.csv"))
+    rows = list(csv.DictReader(files[0].open())) if files else []
+    values = [float(r["stats/gpu_util_pct"]) for r in rows if r.get("stats/gpu_util_pct")]
+    return Result("NVML stats logged (stats/gpu_util_pct)", "pass" if values else "fail",
+                  f"{len(values)} logged values, max {max(values):.0f} %" if values else "no stats/gpu_util_pct in metrics.csv")
+
+
+def check_zero_offload_gpu(tmp: Path) -> Result:
+    s = train(CHARLM + ["trainer=gpu", "strategy=zero2_offload", "optimizer=cpu_adam"], tmp / "zero")
+    loss = s["final_val"]["val/loss"]
+    ok = math.isfinite(loss) and loss < s["unigram_baseline"]
+    return Result("ZeRO-2 + optimizer offload (CUDA)", "pass" if ok else "fail",
+                  f"val/loss {loss:.3f} vs unigram {s['unigram_baseline']:.3f}")
+
+
+CPU_CHECKS: list[Callable[[Path], Result]] = [check_default_run, check_charlm_cpu, check_cpu_bf16]
+GPU_CHECKS: dict[str, Callable[[Path], Result]] = {
+    "bf16-mixed faster than 32-true (CUDA)": check_bf16_gpu,
+    "16-mixed faster than 32-true (CUDA)": check_fp16_gpu,
+    "NVML stats logged (stats/gpu_util_pct)": check_nvml,
+    "ZeRO-2 + optimizer offload (CUDA)": check_zero_offload_gpu,
+}
+
+
+def run_checks(gpu: bool, cuda_available: bool) -> list[Result]:
+    results = []
+    if gpu and not cuda_available:
+        return [Result(name, "not run", "no CUDA device visible (torch.cuda.is_available() is False); "
+                                        "run on a machine with an NVIDIA GPU and a CUDA build of torch") for name in GPU_CHECKS]
+    checks = list(GPU_CHECKS.values()) if gpu else CPU_CHECKS
+    with tempfile.TemporaryDirectory(prefix="lit_speed_selfcheck_") as tmp:
+        for check in checks:
+            try:
+                results.append(check(Path(tmp)))
+            except Exception as error:  # noqa: BLE001 - a crashing check is a failed check, reported in the table
+                results.append(Result(check.__name__.removeprefix("check_"), "fail", f"{type(error).__name__}: {error}"))
+    return results
+
+
+def print_results(results: list[Result]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="lit_speed selfcheck", title_justify="left")
+    for column in ("check", "result", "detail"):
+        table.add_column(column)
+    colour = {"pass": "green", "fail": "red", "not run": "yellow"}
+    for r in results:
+        table.add_row(r.name, f"[{colour[r.status]}]{r.status}[/]", r.detail)
+    Console(soft_wrap=True).print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true", help="run the GPU-only checks (needs a CUDA device)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("LIT_SPEED_ROOT", str(ROOT))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not args.gpu else os.environ.get("DS_ACCELERATOR", "cuda"))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import torch
+
+    results = run_checks(args.gpu, torch.cuda.is_available())
+    print_results(results)
+    code = exit_code(results)
+    if args.gpu and not torch.cuda.is_available():
+        print("--gpu: no CUDA device here, so nothing was checked (exit 1). Without --gpu the CPU checks run.",
+              file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
