@@ -67,3 +67,13 @@ def test_checkpoints_load_both_ways_with_identical_outputs(tmp_path, backend, at
     compile_modules(target, backend=backend)
     with torch.no_grad():
         torch.testing.assert_close(target(x), eager_run(x), rtol=0, atol=atol)
+
+
+def test_compile_yaml_keys_match_the_constructor():
+    import hydra
+
+    from lit_speed.config_check import preflight
+
+    cfg = preflight(["callbacks=[default,compile]", "callbacks.compile.regional=false"])
+    callback = hydra.utils.instantiate(cfg.callbacks.compile)
+    assert isinstance(callback, CompileModel) and callback.regional is False and callback.backend == "inductor"

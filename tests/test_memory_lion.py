@@ -57,3 +57,13 @@ def test_errors():
         Lion(p, betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="optimizer.weight_decay must be >= 0"):
         Lion(p, weight_decay=-0.1)
+
+
+def test_lion_yaml_builds_the_optimizer():
+    import hydra
+
+    from lit_speed.config_check import preflight
+
+    cfg = preflight(["optimizer=lion", "optimizer.lr=0.0003"])
+    optimizer = hydra.utils.instantiate(cfg.optimizer)([torch.zeros(2, requires_grad=True)])
+    assert isinstance(optimizer, Lion) and optimizer.defaults["lr"] == 0.0003
