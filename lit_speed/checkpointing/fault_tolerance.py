@@ -1,4 +1,5 @@
-"""One callback for what happens when things go wrong: atomic checkpoints and non-finite reporting."""
+"""One callback for what happens when things go wrong: atomic checkpoints, RNG states for exact resume,
+non-finite reporting, and one clear line (with the fix) when a run dies of out-of-memory or a lost peer."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from typing_extensions import override
@@ -121,6 +123,7 @@ class FaultTolerance(Callback):
 
     Raises:
         ValueError: On an unknown policy or a negative interval.
+        RuntimeError: At the end of fit, with ``on_nonfinite_weights="raise"`` and non-finite weights.
 
     Example::
 
@@ -156,7 +159,7 @@ class FaultTolerance(Callback):
         if self.atomic_checkpoints and type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO(keep_previous=self.keep_previous)
         self.checkpoint_io_name = type(strategy.checkpoint_io).__name__
-        if "DeepSpeed" in type(strategy).__name__:
+        if isinstance(strategy, DeepSpeedStrategy):
             self.checkpoint_io_name += " (unused: DeepSpeed writes its own folders)"
 
     @override
