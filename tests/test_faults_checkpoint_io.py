@@ -157,6 +157,7 @@ def test_classify_failure():
     assert classify_failure(MemoryError()) == "out_of_memory"
     assert classify_failure(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ...")) == "out_of_memory"
     assert classify_failure(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")) == "out_of_memory"
+    assert classify_failure(RuntimeError("could not create a primitive")) == "out_of_memory"  # oneDNN
     peer = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:26778")
     assert classify_failure(peer, world_size=2) == "lost_peer"
     assert classify_failure(peer, world_size=1) is None  # one process has no peer to lose

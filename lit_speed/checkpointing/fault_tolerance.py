@@ -22,8 +22,10 @@ from lit_speed.checkpointing.resume import checkpoint_folders, last_good_checkpo
 log = logging.getLogger(__name__)
 
 NONFINITE_POLICIES = ("warn", "raise")
-# substrings of the errors torch raises when an allocation fails (CPU allocator, CUDA caching allocator)
-OUT_OF_MEMORY_MARKERS = ("can't allocate memory", "out of memory", "not enough memory", "std::bad_alloc")
+# substrings of the errors torch raises when an allocation fails (CPU allocator, CUDA caching allocator, and
+# oneDNN's CPU kernels, which report a failed workspace allocation as "could not create a primitive")
+OUT_OF_MEMORY_MARKERS = ("can't allocate memory", "out of memory", "not enough memory", "std::bad_alloc",
+                         "could not create a primitive")
 # ... and when a collective's peer process died or stopped answering (gloo, NCCL, the TCP store)
 LOST_PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
                      "timeout", "nccl", "socket")

@@ -27,6 +27,9 @@ def address_space_bytes() -> int:
 
 
 if __name__ == "__main__":
+    # oneDNN reports a failed allocation of its workspace as "could not create a primitive", at a place that
+    # depends on the CPU; without it the allocator's own "can't allocate memory" surfaces, the same everywhere
+    torch.backends.mkldnn.enabled = False
     headroom = int(sys.argv.pop(1)) * 2**20
     limit = address_space_bytes() + headroom
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
