@@ -4,14 +4,25 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from helpers_accumulation import ShardedDataModule, SyncCounter, TinyTokenLM, rel_err, token_data, update
 from lit_speed.accumulation import AccumulationScheduler
 
 
+@pytest.fixture
+def fresh_rendezvous(monkeypatch):
+    """A DeepSpeed/ZeRO test earlier in this process leaves a process group and MASTER_PORT behind; the spawned
+    ranks would then try to listen on that busy port (EADDRINUSE). Start from a clean environment."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.slow  # two spawned processes: ~30-60 s on a shared 2-core CPU
-def test_two_process_ddp_micro_8_x2_x2_equals_batch_32_and_syncs_only_at_the_boundary(tmp_path):
+def test_two_process_ddp_micro_8_x2_x2_equals_batch_32_and_syncs_only_at_the_boundary(tmp_path, fresh_rendezvous):
     module, data = TinyTokenLM(), token_data(64)  # padded, variable length: token counts differ between ranks
     reference = update(module, DataLoader(data, batch_size=32))  # two steps of 32
     callback = AccumulationScheduler(factors={0: 2}, normalize="tokens")
