@@ -1,6 +1,6 @@
 """Framework overhead: per-step time of a plain PyTorch loop vs plain Lightning vs lit_speed's full stack.
 
-    python benchmarks/bench_overhead.py [--steps 150] [--rounds 3] [--warmup 20] [--threads 1]
+    python benchmarks/bench_overhead.py [--steps 150] [--rounds 3] [--warmup 20] [--threads 1] [--per-component]
 
 Workload: a tiny char GPT (1 layer, 2 heads, 32 embd, block 16, batch 4) on the charlm corpus, where
 framework overhead dominates the step (the worst case for a framework). Variants, in one process:
@@ -77,24 +77,31 @@ def run_plain(steps: int, warmup: int) -> tuple[float, float]:
     return per_step(wall, warmup), per_step(cpu, warmup)
 
 
-def lit_speed_parts() -> tuple[list[Any], list[pl.Callback]]:
+def lit_speed_parts(only: str | None = None) -> tuple[list[Any], list[pl.Callback]]:
+    """The full stack, or one component of it (``only``) to attribute the overhead."""
     from lit_speed.accumulation.accumulation_scheduler import AccumulationScheduler
     from lit_speed.monitoring.device_stats_logger import DeviceStatsLogger
     from lit_speed.precision.guarded_precision import GuardedPrecision
     from lit_speed.reporting import TimeToTarget
 
-    return [GuardedPrecision("32-true")], [AccumulationScheduler(factors={0: 1}), DeviceStatsLogger(verbose=False),
-                                           RunSummary(monitor="val/loss", mode="min"), TimeToTarget(target=0.0)]
+    parts: dict[str, Any] = {"GuardedPrecision": GuardedPrecision("32-true"),
+                             "AccumulationScheduler": AccumulationScheduler(factors={0: 1}),
+                             "DeviceStatsLogger": DeviceStatsLogger(verbose=False),
+                             "RunSummary": RunSummary(monitor="val/loss", mode="min"),
+                             "TimeToTarget": TimeToTarget(target=0.0)}
+    chosen = {only: parts[only]} if only else parts
+    plugins = [p for n, p in chosen.items() if n == "GuardedPrecision"]
+    return plugins, [c for n, c in chosen.items() if n != "GuardedPrecision"]
 
 
-def run_lightning(steps: int, warmup: int, full_stack: bool) -> tuple[float, float]:
+def run_lightning(steps: int, warmup: int, full_stack: bool, only: str | None = None) -> tuple[float, float]:
     torch.manual_seed(42)
     dm = CharLMDataModule(cache_dir=CACHE, block_size=TINY["block_size"], batch_size=TINY["batch_size"])
     model = GPTModule(block_size=TINY["block_size"], n_layer=TINY["n_layer"], n_head=TINY["n_head"],
                       n_embd=TINY["n_embd"], optimizer=functools.partial(torch.optim.AdamW, lr=3e-3, betas=(0.9, 0.99)),
                       scheduler=functools.partial(warmup_cosine, warmup_steps=20, min_lr_ratio=0.1))
     clock = StepClock()
-    plugins, callbacks = lit_speed_parts() if full_stack else ([], [])
+    plugins, callbacks = lit_speed_parts(only) if (full_stack or only) else ([], [])
     with tempfile.TemporaryDirectory() as tmp:
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0,
                              num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
@@ -107,6 +114,7 @@ def run_lightning(steps: int, warmup: int, full_stack: bool) -> tuple[float, flo
 VARIANTS = {"plain_loop": lambda s, w: run_plain(s, w),
             "lightning": lambda s, w: run_lightning(s, w, full_stack=False),
             "lit_speed": lambda s, w: run_lightning(s, w, full_stack=True)}
+COMPONENTS = ["GuardedPrecision", "AccumulationScheduler", "DeviceStatsLogger", "RunSummary", "TimeToTarget"]
 
 
 def main() -> None:
@@ -115,9 +123,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--per-component", action="store_true", help="also Lightning + each component alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pl.seed_everything(0, verbose=False)
+    if args.per_component:  # Lightning + one component each: where the stack's overhead comes from
+        for comp in COMPONENTS:
+            VARIANTS[f"+{comp}"] = lambda s, w, c=comp: run_lightning(s, w, full_stack=False, only=c)
     names = list(VARIANTS)
     for name in names:  # one untimed pass each: imports, corpus cache, first-use kernels
         VARIANTS[name](args.warmup + 5, args.warmup)
@@ -128,7 +140,7 @@ def main() -> None:
             w, c = VARIANTS[name](args.steps, args.warmup)
             wall[name].append(w)
             cpu[name].append(c)
-            print(f"round {r} {name:11s} wall {1e3 * w:7.3f} ms/step  cpu {1e3 * c:7.3f} ms/step", flush=True)
+            print(f"round {r} {name:22s} wall {1e3 * w:7.3f} ms/step  cpu {1e3 * c:7.3f} ms/step", flush=True)
 
     def ratio(a: str, b: str, table: dict[str, list[float]]) -> dict[str, float]:
         return stats([x / y for x, y in zip(table[a], table[b])])
@@ -141,12 +153,16 @@ def main() -> None:
         "ratios_wall": {"lightning/plain_loop": ratio("lightning", "plain_loop", wall),
                         "lit_speed/lightning": ratio("lit_speed", "lightning", wall)},
         "ratios_cpu": {"lightning/plain_loop": ratio("lightning", "plain_loop", cpu),
-                       "lit_speed/lightning": ratio("lit_speed", "lightning", cpu)},
+                       "lit_speed/lightning": ratio("lit_speed", "lightning", cpu),
+                       **{f"{n}/lightning": ratio(n, "lightning", cpu) for n in names if n.startswith("+")}},
     }
     results["load_average_start_end"] = [LOAD_AT_START, os.getloadavg()]
     rc, rw = results["ratios_cpu"], results["ratios_wall"]
     print(f"lightning / plain loop: cpu x{rc['lightning/plain_loop']['median']:.3f}, "
           f"wall x{rw['lightning/plain_loop']['median']:.3f}")
+    for n in names:
+        if n.startswith("+"):
+            print(f"lightning {n:22s}: cpu x{rc[f'{n}/lightning']['median']:.3f}")
     print(f"lit_speed / lightning : cpu x{rc['lit_speed/lightning']['median']:.3f}, "
           f"wall x{rw['lit_speed/lightning']['median']:.3f}  (target <= 1.05)")
     write_result("overhead", results,
