@@ -91,15 +91,16 @@ def test_torchrun_launch_matches_lightnings_launcher(tmp: Path, single: list[dic
     assert _mean_losses(ranks) == pytest.approx(single[0]["losses"], rel=LOSS_RTOL)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_resume_in_a_different_world_size(tmp: Path, stage: int) -> None:
-    # saved by 2 ranks after step 3 (= one epoch of 24 windows), resumed by 1 process: DeepSpeed re-partitions
-    # ZeRO-1/2 optimizer state across a new world size; the losses must continue as the 1-process run's
-    epoch = ["--train-windows", "24", "--stage", str(stage)]
-    reference = _run(tmp, f"ref_ws{stage}", *epoch, "--devices", "1", "--batch", "8")
-    _run(tmp, f"two_ws{stage}", *epoch, "--devices", "2", "--batch", "4", "--save-every", "3")
-    ckpt = tmp / f"two_ws{stage}" / "ckpt" / "epoch=0-step=3.ckpt"
+def test_resume_in_a_different_world_size_is_refused_with_the_ways_out(tmp: Path) -> None:
+    # DeepSpeed 0.19 cannot re-partition ZeRO optimizer state for a new world size; ZeroStrategy says so
+    # before DeepSpeed fails deep inside load_checkpoint, and names the alternatives
+    epoch = ["--train-windows", "24", "--stage", "2"]
+    _run(tmp, "two_ws", *epoch, "--devices", "2", "--batch", "4", "--save-every", "3")
+    ckpt = tmp / "two_ws" / "ckpt" / "epoch=0-step=3.ckpt"
     assert ckpt.is_dir()
-    resumed = _run(tmp, f"one_ws{stage}", *epoch, "--devices", "1", "--batch", "8", "--resume", str(ckpt))
-    assert resumed[0]["global_step"] == STEPS
-    assert resumed[0]["losses"] == pytest.approx(reference[0]["losses"][3:], rel=LOSS_RTOL)
+    cmd = [sys.executable, HELPER, "--cache", str(tmp / "cache"), "--out", str(tmp / "one_ws"), "--steps", str(STEPS),
+           *epoch, "--devices", "1", "--batch", "8", "--resume", str(ckpt)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert done.returncode != 0
+    assert "was saved by 2 ZeRO rank(s) but this run has 1" in done.stderr
+    assert "scripts/consolidate.py" in done.stderr

@@ -157,3 +157,16 @@ def test_cpu_adam_survives_lightnings_optimizer_wrapper(cache: Path, tmp_path: P
     assert done.returncode == 0, done.stderr[-2000:]
     losses = __import__("json").loads((tmp_path / "rank0.json").read_text())["losses"]
     assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_saved_world_size_is_read_from_the_checkpoint_layout(tmp_path: Path) -> None:
+    from lit_speed.strategies.consolidate import check_resume_world_size, saved_world_size
+
+    tag = tmp_path / "ckpt" / "checkpoint"
+    tag.mkdir(parents=True)
+    for rank in range(2):  # DeepSpeed writes one optimizer-state file per data-parallel rank
+        (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+    assert saved_world_size(tmp_path / "ckpt") == 2 and saved_world_size(tmp_path) is None
+    check_resume_world_size(tmp_path / "ckpt", 2)
+    with pytest.raises(ValueError, match=r"saved by 2 ZeRO rank\(s\) but this run has 1.*scripts/consolidate.py"):
+        check_resume_world_size(tmp_path / "ckpt", 1)

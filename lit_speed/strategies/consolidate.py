@@ -49,3 +49,29 @@ def consolidate_zero_checkpoint(checkpoint_dir: str | Path, output_file: str | P
     checkpoint.pop("ds_version", None)
     torch.save(checkpoint, output_file)
     return output_file
+
+
+def saved_world_size(checkpoint_dir: str | Path, tag: str = "checkpoint") -> int | None:
+    """How many data-parallel ranks wrote a ZeRO checkpoint folder (one ``*optim_states.pt`` each), or ``None``."""
+    folder = Path(checkpoint_dir) / tag
+    if not folder.is_dir():
+        return None
+    return len(list(folder.glob("*optim_states.pt"))) or None
+
+
+def check_resume_world_size(checkpoint_dir: str | Path, world_size: int) -> None:
+    """Refuse, with the ways out, a resume whose world size differs from the one that saved the checkpoint.
+
+    DeepSpeed 0.19 cannot re-partition ZeRO optimizer state for a new data-parallel size (it raises deep in
+    ``load_checkpoint``); weights alone can move through :func:`consolidate_zero_checkpoint`.
+
+    Raises:
+        ValueError: If the folder was written by a different number of ranks.
+    """
+    saved = saved_world_size(checkpoint_dir)
+    if saved is not None and saved != world_size:
+        raise ValueError(
+            f"ckpt_path={str(checkpoint_dir)!r} was saved by {saved} ZeRO rank(s) but this run has {world_size}: "
+            "DeepSpeed cannot re-partition ZeRO optimizer state. Resume with trainer.devices x trainer.num_nodes = "
+            f"{saved}, or consolidate the weights (python scripts/consolidate.py <dir> model.ckpt) and start a new "
+            "run from them (optimizer and LR-scheduler state are then lost)")

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_speed.strategies import _lightning_compat as compat
+from lit_speed.strategies.consolidate import check_resume_world_size
 from lit_speed.strategies.memory_estimate import (
     ZeroMemoryEstimate,
     estimate_zero_memory,
@@ -203,6 +204,13 @@ class ZeroStrategy(DeepSpeedStrategy):
         trainer = self.lightning_module.trainer
         set_accumulation(self.deepspeed_engine, trainer.accumulate_grad_batches)
         self.deepspeed_engine.set_gradient_accumulation_boundary(not compat.should_accumulate(trainer))
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not (self.load_full_weights and self.zero_stage_3):
+            check_resume_world_size(checkpoint_path, self.world_size)
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     # -- reporting -----------------------------------------------------------------------------------------
     def memory_estimate(self, num_params: int) -> ZeroMemoryEstimate:
