@@ -211,3 +211,17 @@ def test_a_users_own_checkpoint_io_is_left_alone(tmp_path):
     trainer.fit(MLPClassifier(hidden=8, depth=1, optimizer=lambda p: torch.optim.SGD(p, lr=0.1)),
                 datamodule=DigitsDataModule(batch_size=32))
     assert type(trainer.strategy.checkpoint_io) is MyIO
+
+
+def test_a_deepspeed_folder_is_as_new_as_the_newest_file_inside_it(tmp_path):
+    # DeepSpeed rewrites last.ckpt/checkpoint/*.pt in place: the folder's own mtime stays old
+    old, new = tmp_path / "best.ckpt", tmp_path / "last.ckpt"
+    for folder in (new, old):
+        (folder / "checkpoint").mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, new / "checkpoint" / "mp_rank_00_model_states.pt")
+    time.sleep(0.02)
+    torch.save({"w": torch.ones(2)}, old / "checkpoint" / "mp_rank_00_model_states.pt")
+    time.sleep(0.02)
+    torch.save({"w": torch.zeros(2)}, new / "checkpoint" / "mp_rank_00_model_states.pt")  # rewritten in place
+    assert checkpoint_candidates([tmp_path]) == [new, old]
+    assert last_good_checkpoint([tmp_path]) == new

@@ -35,6 +35,10 @@ TOTAL_STEPS = 3 * STEPS_PER_EPOCH
 # (extra overrides, kill range): every case is a deterministic CPU run, so every case must be bitwise exact.
 # The kill lands after the first checkpoint (end of epoch 1) and before the last step.
 DEFAULT_KILL_RANGE = (STEPS_PER_EPOCH + 1, TOTAL_STEPS - 1)
+# measured 2026-11-22: killed after step 16, resumed from the step-16 folder, 12/14 tensors differ from the
+# uninterrupted run at the end, max abs 0.0112 (the RNG states are saved and restored; cause not found yet)
+ZERO_RESUME_GAP = ("ZeRO-2 (DeepSpeed) kill-and-resume is not exact yet: 12/14 tensors differ, max abs diff 0.0112; "
+                   "investigation open (issue 10 report)")
 # ramp 64 -> 128 samples per step at step 4: epoch 1 = 4 steps of 1 micro-batch + 2 of 2 (ends at step 6),
 # epochs 2 and 3 = 4 steps each (14 in all)
 RAMP = ["accumulation=ramp", "accumulation.effective_batch=[[0,64],[4,128]]"]
@@ -43,7 +47,7 @@ MATRIX = [
     pytest.param(["precision=bf16-mixed"], DEFAULT_KILL_RANGE, id="bf16mixed-auto-noaccum-nocurriculum",
                  marks=pytest.mark.slow),
     pytest.param(["strategy=zero2"], DEFAULT_KILL_RANGE, id="32true-zero2-noaccum-nocurriculum",
-                 marks=pytest.mark.slow),
+                 marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=ZERO_RESUME_GAP)]),
     pytest.param(RAMP, (7, 13), id="32true-auto-ramp-nocurriculum", marks=pytest.mark.slow),
     pytest.param(["data=digits_curriculum"], DEFAULT_KILL_RANGE, id="32true-auto-noaccum-curriculum",
                  marks=pytest.mark.slow),

@@ -34,7 +34,15 @@ def checkpoint_candidates(folders: Iterable[_PATH]) -> list[Path]:
         if folder.is_dir():
             found.update(p for p in folder.iterdir()
                          if p.name.endswith(".ckpt") or p.name.endswith(".ckpt" + PREVIOUS_SUFFIX))
-    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name.startswith("last")), reverse=True)
+    return sorted(found, key=lambda p: (_modified_ns(p), p.name.startswith("last")), reverse=True)
+
+
+def _modified_ns(path: Path) -> int:
+    """Modification time; for a folder (DeepSpeed) the newest file inside it, since a folder's own time
+    does not change when a file in a subfolder is overwritten."""
+    if path.is_dir():
+        return max((p.stat().st_mtime_ns for p in path.rglob("*") if p.is_file()), default=path.stat().st_mtime_ns)
+    return path.stat().st_mtime_ns
 
 
 def last_good_checkpoint(folders: Iterable[_PATH]) -> Path | None:
