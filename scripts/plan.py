@@ -29,7 +29,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--budget-mib", type=float, default=None, help="device memory per process (MiB)")
     parser.add_argument("--micro-batches", type=_csv, default=["4", "8", "16", "32"], help="candidate sizes")
     parser.add_argument("--precisions", type=_csv, default=["32-true", "bf16-mixed"], help="Lightning literals")
-    parser.add_argument("--checkpoint", type=_csv, default=["Block"], help="block types to checkpoint ('' = none)")
+    parser.add_argument("--checkpoint", type=_csv, default=None,
+                        help="block types to checkpoint ('' = none; default: the model's repeated block types)")
     parser.add_argument("--strategies", type=_csv, default=["auto"], help="conf/strategy options")
     parser.add_argument("--world-size", type=int, default=1, help="processes")
     parser.add_argument("--top", type=int, default=20, help="rows to print")
@@ -48,6 +49,7 @@ def main(argv: list[str]) -> int:
     from rich.table import Table
 
     from lit_speed.config_check import ConfigError, preflight
+    from lit_speed.memory.compile_model import repeated_block_types
     from lit_speed.memory.planner import plan
 
     try:
@@ -63,10 +65,13 @@ def main(argv: list[str]) -> int:
     model = hydra.utils.instantiate(cfg.model, optimizer=factory)
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
+    checkpoint = args.checkpoint
+    if checkpoint is None:  # the repeated blocks (GPT: Block); a model without them gets no checkpointing rows
+        checkpoint = sorted({cls.__name__ for cls in repeated_block_types(model)})
     budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = plan(model, batch, budget, micro_batches, args.precisions, args.checkpoint, args.strategies,
+        result = plan(model, batch, budget, micro_batches, args.precisions, checkpoint, args.strategies,
                       args.world_size, optimizer, factory, base)
     title = "configurations that fit" + (f" in {args.budget_mib:g} MiB" if budget else "") + ", fastest first"
     table = Table(title=title, title_justify="left")
@@ -79,6 +84,8 @@ def main(argv: list[str]) -> int:
     console.print(table)
     for i, row in enumerate(rows, 1):  # plain print: brackets must not be read as rich markup
         print(f"#{i}: python scripts/train.py {row[-1]}")
+    if not checkpoint:
+        result.notes.append("no repeated block type in this model: no checkpointing rows (name one with --checkpoint)")
     for note in result.notes:
         console.print(f"  note: {note}")
     if budget and not result.fitting:

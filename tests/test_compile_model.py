@@ -23,6 +23,14 @@ def test_in_place_compile_keeps_state_dict_keys():
     assert compile_modules(model, regional=False, backend="eager") == [""] and is_compiled(model)
 
 
+def test_repeated_block_types_skips_leaf_layers():
+    from lit_speed.memory.compile_model import repeated_block_types
+    from lit_speed.models.mlp import MLPClassifier
+
+    assert [c.__name__ for c in repeated_block_types(GPT(**SMALL))] == ["Block"]
+    assert repeated_block_types(MLPClassifier()) == []  # Sequential of Linear/GELU/Dropout: nothing worth wrapping
+
+
 def test_errors():
     with pytest.raises(ValueError, match=r"compile.mode must be one of .*got 'fast'"):
         CompileModel(mode="fast")

@@ -25,11 +25,14 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 
 
 def repeated_block_types(root: nn.Module) -> list[type]:
-    """Types that appear more than once inside a ``ModuleList``/``Sequential`` (the transformer blocks)."""
+    """Composite types (with submodules of their own) repeated inside a ``ModuleList``/``Sequential``: the blocks.
+
+    Leaf layers (``Linear``, ``GELU``) repeat too, but wrapping or compiling them one by one gains nothing.
+    """
     counts: Counter[type] = Counter()
     for container in root.modules():
         if isinstance(container, (nn.ModuleList, nn.Sequential)):
-            counts.update(type(child) for child in container.children())
+            counts.update(type(child) for child in container.children() if next(child.children(), None) is not None)
     return [cls for cls, n in counts.items() if n > 1]
 
 
