@@ -175,7 +175,7 @@ def main() -> None:
     line = "; ".join(f"{w}: " + ", ".join(f"{v} {d['diff_pct']:+.0f}%" for v, d in results["workloads"][w]["variants"].items()
                                           if d.get("status") == "ok" and d.get("diff_pct") is not None)
                      for w in args.workloads)
-    write_result("ablation", results, f"throughput vs fp32 baseline ({args.repeats} repeat(s)): {line}; "
+    write_result("ablation_" + "_".join(args.workloads), results, f"throughput vs fp32 baseline ({args.repeats} repeat(s)): {line}; "
                                       f"load avg {os.getloadavg()[0]:.1f}")
 
 

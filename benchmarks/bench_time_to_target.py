@@ -15,7 +15,8 @@ The measuring instrument is identical for all three: validation every 25 trainin
 4 x 64 validation windows; the clock starts at fit start (loop start for the plain loop), so it
 includes validation, checkpointing and any compilation; a run stops at its first validation with
 val/loss <= target. ``--max-steps`` is also the cosine-schedule horizon of the baselines.
-Reported: median seconds and optimizer steps to target over ``--repeats`` (interleaved), and ratios.
+Reported: median wall seconds, process CPU seconds (run with OMP_NUM_THREADS=1 on a shared machine: CPU
+time is then the steadier measure) and optimizer steps to target over ``--repeats`` (interleaved), and ratios.
 """
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ def child_lightning(target: float, max_steps: int) -> dict[str, Any]:
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, val_check_interval=VAL_EVERY,
                              limit_val_batches=VAL_BATCHES, callbacks=[timer], default_root_dir=tmp)
         trainer.fit(model, datamodule=dm)
-    return {"time_to_target_s": timer.time_to_target_s, "target_step": timer.target_step,
-            "final_val": float(trainer.callback_metrics["val/loss"]), "steps": trainer.global_step}
+    return {"time_to_target_s": timer.time_to_target_s, "cpu_time_to_target_s": timer.cpu_time_to_target_s,
+            "target_step": timer.target_step, "final_val": float(trainer.callback_metrics["val/loss"]), "steps": trainer.global_step}
 
 
 def child_plain(target: float, max_steps: int) -> dict[str, Any]:
@@ -67,7 +68,8 @@ def child_plain(target: float, max_steps: int) -> dict[str, Any]:
     cfg = plain_loop.LoopConfig(max_steps=max_steps, val_every=VAL_EVERY, val_batches=VAL_BATCHES, target=target,
                                 cache_dir=CACHE)
     result = plain_loop.train(cfg)
-    return {"time_to_target_s": result.time_to_target_s, "target_step": result.target_step,
+    return {"time_to_target_s": result.time_to_target_s, "cpu_time_to_target_s": result.cpu_time_to_target_s,
+            "target_step": result.target_step,
             "final_val": result.val_history[-1][2] if result.val_history else None, "steps": result.steps}
 
 
@@ -84,7 +86,8 @@ def run_lit_speed(target: float, max_steps: int) -> dict[str, Any]:
             raise RuntimeError(f"experiment=charlm_fast failed:\n{proc.stderr[-3000:]}")
         summary = json.loads((Path(tmp) / "summary.json").read_text())
     t = summary["components"]["TimeToTarget"]
-    return {"time_to_target_s": t["time_to_target_s"], "target_step": t["target_step"],
+    return {"time_to_target_s": t["time_to_target_s"], "cpu_time_to_target_s": t.get("cpu_time_to_target_s"),
+            "target_step": t["target_step"],
             "final_val": summary["final_metrics"].get("val/loss"), "steps": summary["global_step"]}
 
 
@@ -127,14 +130,17 @@ def main() -> None:
         reached = [o for o in runs[name] if o["time_to_target_s"] is not None]
         summary[name] = {"reached": f"{len(reached)}/{len(runs[name])}",
                          "time_to_target_s": stats([o["time_to_target_s"] for o in reached]) if reached else None,
+                         "cpu_time_to_target_s": stats([o["cpu_time_to_target_s"] for o in reached]) if reached else None,
                          "steps_to_target": stats([o["target_step"] for o in reached]) if reached else None,
                          "process_wall_s": stats([o["process_wall_s"] for o in runs[name]])}
 
-    def ratio(a: str, b: str) -> float | None:
-        ta, tb = summary[a]["time_to_target_s"], summary[b]["time_to_target_s"]
+    def ratio(a: str, b: str, key: str = "time_to_target_s") -> float | None:
+        ta, tb = summary[a][key], summary[b][key]
         return round(ta["median"] / tb["median"], 3) if ta and tb else None
 
-    ratios = {"lit_speed/lightning": ratio("lit_speed", "lightning"), "plain_loop/lightning": ratio("plain_loop", "lightning")}
+    ratios = {"lit_speed/lightning": ratio("lit_speed", "lightning"), "plain_loop/lightning": ratio("plain_loop", "lightning"),
+              "cpu lit_speed/lightning": ratio("lit_speed", "lightning", "cpu_time_to_target_s"),
+              "cpu plain_loop/lightning": ratio("plain_loop", "lightning", "cpu_time_to_target_s")}
     results = {"target_val_loss": args.target, "max_steps": args.max_steps, "repeats": args.repeats,
                "val_every": VAL_EVERY, "val_batches": VAL_BATCHES, "summary": summary, "ratios": ratios,
                "runs": runs, "load_average_start_end": [load_start, os.getloadavg()]}
