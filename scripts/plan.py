@@ -52,10 +52,14 @@ def main(argv: list[str]) -> int:
     from lit_speed.memory.compile_model import repeated_block_types
     from lit_speed.memory.planner import plan
 
+    if not all(b.isdigit() and int(b) > 0 for b in args.micro_batches):
+        print(f"--micro-batches must be comma-separated positive integers, got {','.join(args.micro_batches)!r}; "
+              f"e.g. --micro-batches 4,8,16", file=sys.stderr)
+        return 2
+    micro_batches = [int(b) for b in args.micro_batches]
     try:
         cfg = preflight(overrides)
-        micro_batches = [int(b) for b in args.micro_batches]
-    except (ConfigError, ValueError) as error:
+    except ConfigError as error:
         print(f"Config error: {error}", file=sys.stderr)
         return 2
     base = [o for o in overrides if not o.startswith(("precision=", "data.batch_size=", "strategy=", "callbacks="))]

@@ -126,3 +126,22 @@ def test_plan_script_prints_runnable_commands(tmp_path):
     assert len(commands) == 4
     done = _run_train(commands[0], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _plan_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--micro-batches", "4,x"], r"--micro-batches must be comma-separated positive integers, got '4,x'"),
+    (["data=charlmm"], r"Config error: data=charlmm: unknown option 'charlmm'.*Did you mean data=charlm\?"),
+    (["experiment"], r"Unknown argument\(s\) \['experiment'\]: give Hydra overrides as key=value"),
+])
+def test_plan_script_refuses_bad_arguments(capsys, argv, message):
+    assert _plan_script().main(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
