@@ -171,3 +171,15 @@ def test_time_to_target_state_round_trip() -> None:
     fresh = TimeToTarget(target=2.0)
     fresh.load_state_dict({})  # a checkpoint from before the callback existed
     assert fresh.final_summary()["reached"] is False
+
+
+def test_time_to_target_from_early_stopping_stop_at(tmp_path: Path) -> None:
+    # CurriculumEarlyStopping(stop_at=...) reports target / target_step / target_time_s
+    stopping = {"CurriculumEarlyStopping": {"reason": "target", "target": 0.9, "target_step": 40, "target_time_s": 3.25}}
+    no_target = {"CurriculumEarlyStopping": {"reason": "patience", "target": None, "target_step": None,
+                                             "target_time_s": None}}
+    make_job(tmp_path, 0, ["a=1"], summary(1.0, 1, 1.0, 1.0, 1.0, components=stopping))
+    make_job(tmp_path, 1, ["a=2"], summary(1.0, 1, 1.0, 1.0, 1.0, components=no_target))
+    rows = build_rows([load_job(d) for d in find_job_dirs(tmp_path)])
+    assert (rows[0]["time_to_target_s"], rows[0]["target_step"]) == (3.25, 40)
+    assert (rows[1]["time_to_target_s"], rows[1]["target_step"]) == (None, None)
