@@ -67,6 +67,20 @@ class RecordingGPT(GPTModule):
         return loss
 
 
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+            "GROUP_RANK", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "CROSS_SIZE")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without the distributed variables an in-process fit left behind.
+
+    Lightning/DeepSpeed export MASTER_PORT etc. into ``os.environ``; a child inheriting them would try to
+    listen on a port this process still holds (EADDRINUSE) or join the wrong group.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    return {**env, "DS_ACCELERATOR": "cpu", **extra}
+
+
 def optimizer_factory(name: str, lr: float = 3e-3) -> Any:
     if name == "adamw":
         return functools.partial(torch.optim.AdamW, lr=lr, betas=(0.9, 0.99))

@@ -7,13 +7,13 @@ two ranks' losses must equal the single-process loss.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers_zero import clean_env
 
 pytestmark = pytest.mark.slow  # every test starts 2+ Python processes that import torch, Lightning and DeepSpeed
 
@@ -30,7 +30,7 @@ def _run(tmp: Path, name: str, *args: str, launcher: list[str] | None = None) ->
     out = tmp / name
     cmd = (launcher or [sys.executable]) + [HELPER, "--cache", str(tmp / "cache"), "--out", str(out),
                                             "--steps", str(STEPS), *args]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env = clean_env(OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
@@ -100,7 +100,7 @@ def test_resume_in_a_different_world_size_is_refused_with_the_ways_out(tmp: Path
     assert ckpt.is_dir()
     cmd = [sys.executable, HELPER, "--cache", str(tmp / "cache"), "--out", str(tmp / "one_ws"), "--steps", str(STEPS),
            *epoch, "--devices", "1", "--batch", "8", "--resume", str(ckpt)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    done = subprocess.run(cmd, capture_output=True, text=True, env=clean_env())
     assert done.returncode != 0
     assert "was saved by 2 ZeRO rank(s) but this run has 1" in done.stderr
     assert "scripts/consolidate.py" in done.stderr

@@ -13,7 +13,7 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from helpers_zero import make_run, make_strategy, make_trainer  # noqa: E402
+from helpers_zero import clean_env, make_run, make_trainer  # noqa: E402
 
 from lit_speed.models.optim import warmup_cosine  # noqa: E402
 from lit_speed.strategies.consolidate import consolidate_zero_checkpoint  # noqa: E402
@@ -134,16 +134,18 @@ def test_consolidate_script_and_its_error(cache: Path, tmp_path: Path) -> None:
     trainer, model = _fit(cache, ZeroStrategy(stage=1), steps=2)
     trainer.save_checkpoint(tmp_path / "ds")
     script = [sys.executable, str(ROOT / "scripts" / "consolidate.py")]
-    done = subprocess.run(script + [str(tmp_path / "ds"), str(tmp_path / "one.ckpt")], capture_output=True, text=True)
+    done = subprocess.run(script + [str(tmp_path / "ds"), str(tmp_path / "one.ckpt")], capture_output=True, text=True,
+                          env=clean_env())
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout and (tmp_path / "one.ckpt").is_file()
     # a process without DeepSpeed reads it
     check = ("import sys, torch; sys.path.insert(0, sys.argv[2]); from lit_speed.models.gpt import GPTModule; "
              "m = GPTModule.load_from_checkpoint(sys.argv[1]); assert 'deepspeed' not in sys.modules; print('ok')")
     done = subprocess.run([sys.executable, "-c", check, str(tmp_path / "one.ckpt"), str(ROOT)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=clean_env())
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr
-    bad = subprocess.run(script + [str(tmp_path), str(tmp_path / "x.ckpt")], capture_output=True, text=True)
+    bad = subprocess.run(script + [str(tmp_path), str(tmp_path / "x.ckpt")], capture_output=True, text=True,
+                         env=clean_env())
     assert bad.returncode == 2 and "is not a DeepSpeed ZeRO checkpoint folder" in bad.stderr
 
 
@@ -153,7 +155,7 @@ def test_cpu_adam_survives_lightnings_optimizer_wrapper(cache: Path, tmp_path: P
     # A subprocess, so a regression fails this test instead of killing pytest.
     cmd = [sys.executable, str(ROOT / "tests" / "helpers_zero.py"), "--strategy", "ddp", "--devices", "1",
            "--optimizer", "cpu_adam", "--steps", "4", "--cache", str(cache), "--out", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    done = subprocess.run(cmd, capture_output=True, text=True, env=clean_env())
     assert done.returncode == 0, done.stderr[-2000:]
     losses = __import__("json").loads((tmp_path / "rank0.json").read_text())["losses"]
     assert len(losses) == 4 and losses[-1] < losses[0]

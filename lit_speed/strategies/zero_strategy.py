@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
