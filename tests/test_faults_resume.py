@@ -35,8 +35,9 @@ TOTAL_STEPS = 3 * STEPS_PER_EPOCH
 # (extra overrides, kill range): every case is a deterministic CPU run, so every case must be bitwise exact.
 # The kill lands after the first checkpoint (end of epoch 1) and before the last step.
 DEFAULT_KILL_RANGE = (STEPS_PER_EPOCH + 1, TOTAL_STEPS - 1)
-# measured 2026-11-22: killed after step 16, resumed from the step-16 folder, 12/14 tensors differ from the
-# uninterrupted run at the end, max abs 0.0112 (the RNG states are saved and restored; cause not found yet)
+# measured 2026-11-22: fp32 zero2 killed after step 16, resumed from the step-16 folder: 12/14 tensors differ
+# from the uninterrupted run at the end, max abs 0.0112; bf16 x zero2 x ramp x curriculum: 12/14, max 0.0083.
+# The RNG states are saved and restored (in the DeepSpeed client state); the cause is not found yet.
 ZERO_RESUME_GAP = ("ZeRO-2 (DeepSpeed) kill-and-resume is not exact yet: 12/14 tensors differ, max abs diff 0.0112; "
                    "investigation open (issue 10 report)")
 # ramp 64 -> 128 samples per step at step 4: epoch 1 = 4 steps of 1 micro-batch + 2 of 2 (ends at step 6),
@@ -52,7 +53,8 @@ MATRIX = [
     pytest.param(["data=digits_curriculum"], DEFAULT_KILL_RANGE, id="32true-auto-noaccum-curriculum",
                  marks=pytest.mark.slow),
     pytest.param(["precision=bf16-mixed", "strategy=zero2", *RAMP, "data=digits_curriculum"], (7, 13),
-                 id="bf16mixed-zero2-ramp-curriculum", marks=pytest.mark.slow),
+                 id="bf16mixed-zero2-ramp-curriculum",
+                 marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=ZERO_RESUME_GAP)]),
 ]
 
 
@@ -90,19 +92,20 @@ def test_sigkill_at_a_random_step_then_resume_matches_the_uninterrupted_run(tmp_
 
 @pytest.mark.slow
 def test_sigkill_inside_a_checkpoint_save_keeps_the_previous_one_and_resumes_exactly(tmp_path):
-    # dies after the temporary file of the step-16 save is written, before it replaces last.ckpt (step 8)
+    # dies in the epoch-2 save (step 16), after a temporary file is written and before it replaces its target
+    # (ModelCheckpoint writes the top-k file first, then last.ckpt): last.ckpt must still be the step-8 one
     reference, killed = _both((SHORT_RUN, tmp_path / "reference"),
                               (SHORT_RUN + kill_at(STEPS_PER_EPOCH + 1, mode="before_rename"), tmp_path / "run"))
     assert reference.returncode == 0, explain(reference)
     assert killed.returncode == SIGKILLED, explain(killed)
     folder = tmp_path / "run" / "checkpoints"
-    assert list(folder.glob(".last.ckpt.tmp-*")), "the kill should have left the unfinished temporary file"
+    assert list(folder.glob(".*.tmp-*")), "the kill should have left the unfinished temporary file"
     verify_checkpoint(folder / "last.ckpt")
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == STEPS_PER_EPOCH
 
     resumed = train(SHORT_RUN + ["ckpt_path=last"], tmp_path / "run")
     assert resumed.returncode == 0, explain(resumed)
-    assert not list(folder.glob(".last.ckpt.tmp-*")), "the orphaned temporary file should be cleaned up"
+    assert not list(folder.glob(".*.tmp-*")), "the orphaned temporary file should be cleaned up"
     _assert_same_training_state(tmp_path / "reference" / "checkpoints" / "last.ckpt", folder / "last.ckpt")
 
 

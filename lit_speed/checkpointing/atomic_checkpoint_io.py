@@ -87,8 +87,9 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _remove_orphaned_temporaries(path: Path) -> None:
-    """Delete ``.<name>.tmp-<pid>`` files left by a writer that was killed (its process no longer exists)."""
-    for tmp in path.parent.glob(f".{path.name}.*-*"):
+    """Delete the ``.<name>.tmp-<pid>`` files in ``path``'s folder left by a writer that was killed (its process
+    no longer exists), whichever checkpoint it was writing."""
+    for tmp in [*path.parent.glob(".*.tmp-*"), *path.parent.glob(".*.prev-*")]:
         pid = tmp.name.rpartition("-")[2]
         if pid.isdigit() and int(pid) != os.getpid() and not _process_exists(int(pid)):
             tmp.unlink(missing_ok=True)
