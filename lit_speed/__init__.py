@@ -21,6 +21,8 @@ _EXPORTS = {
     "CompileModel": "lit_speed.memory.compile_model",
     "plan": "lit_speed.memory.planner",
     "RunSummary": "lit_speed.run_summary",
+    "AtomicCheckpointIO": "lit_speed.checkpointing.atomic_checkpoint_io",
+    "FaultTolerance": "lit_speed.checkpointing.fault_tolerance",
     "DigitsDataModule": "lit_speed.data.digits",
     "CharLMDataModule": "lit_speed.data.charlm",
     "build_corpus": "lit_speed.data.charlm",

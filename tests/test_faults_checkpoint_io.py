@@ -207,7 +207,8 @@ def test_a_users_own_checkpoint_io_is_left_alone(tmp_path):
 
     pl.seed_everything(0)
     trainer = pl.Trainer(accelerator="cpu", plugins=[MyIO()], callbacks=[FaultTolerance()], logger=False,
-                         max_steps=1, limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
+                         max_steps=1, limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
     trainer.fit(MLPClassifier(hidden=8, depth=1, optimizer=lambda p: torch.optim.SGD(p, lr=0.1)),
                 datamodule=DigitsDataModule(batch_size=32))
     assert type(trainer.strategy.checkpoint_io) is MyIO
