@@ -17,11 +17,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, stats, time_repeats, write_result  # noqa: E402
@@ -132,8 +134,9 @@ def main() -> None:
     if args.worker:
         print("RESULT " + json.dumps(e2e_worker(args.worker, args.steps, args.cache)))
         return
-    results: dict[str, dict] = {}
+    results: dict[str, Any] = {}
     log = []
+    load = os.getloadavg()[0]  # this is a shared machine: record how busy it was
     if args.part in ("optim", "all"):
         for million in args.sizes:
             r = results[f"optim_{million}M"] = bench_optimizers(million, args.repeats)
@@ -155,6 +158,8 @@ def main() -> None:
     if previous.exists() and args.part != "all":  # a partial run keeps the other part's last numbers
         kept = json.loads(previous.read_text()).get("results", {})
         results = {**{k: v for k, v in kept.items() if k not in results}, **results}
+    results[f"load_average_{args.part}"] = load
+    log.append(f"load average {load:.1f} at start")
     write_result("bench_zero", results, "; ".join(log))
 
 
