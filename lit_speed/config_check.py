@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -53,6 +55,63 @@ def _explain(override: str, cfg_without: DictConfig | None, config_dir: Path) ->
     return ""
 
 
+def value_matches(value: Any, annotation: Any) -> bool:
+    """Whether a config value fits a type annotation (None, bool, int, float, str, Literal, Union, list, dict).
+
+    Unknown annotations (classes, callables) accept anything: only what can be checked is refused.
+    """
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return value is None
+    if origin is typing.Union:
+        return any(value_matches(value, a) for a in args)
+    if origin is typing.Literal:
+        return value in args and type(value) in {type(a) for a in args}
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin in (list, tuple) or annotation in (list, tuple):
+        return isinstance(value, (list, tuple, ListConfig))
+    if origin is dict or annotation is dict:
+        return isinstance(value, (dict, DictConfig))
+    return True
+
+
+def _describe_annotation(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return "null"
+    if origin is typing.Union:
+        return " or ".join(dict.fromkeys(_describe_annotation(a) for a in args))
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def check_trainer_types(cfg: DictConfig) -> None:
+    """Refuse ``trainer.*`` values whose type ``lightning.Trainer`` does not accept (``max_epochs=abc``)."""
+    node = cfg.get("trainer")
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        return
+    import hydra.utils
+
+    hints = typing.get_type_hints(hydra.utils.get_class(node._target_).__init__)
+    for key in node:
+        if key == "_target_" or key not in hints or OmegaConf.is_interpolation(node, key):
+            continue
+        value = OmegaConf.to_object(node[key]) if isinstance(node[key], (DictConfig, ListConfig)) else node[key]
+        if isinstance(value, dict) and "_target_" in value:
+            continue  # an object Hydra builds (a timedelta, a profiler): its constructor checks it
+        if not value_matches(value, hints[key]):
+            raise ConfigError(f"trainer.{key}={value!r}: Trainer expects {_describe_annotation(hints[key])}, "
+                              f"got {type(value).__name__}. Fix: trainer.{key}=<a value of that type>")
+
+
 def preflight(argv: list[str], config_name: str = "train", config_dir: Path = CONFIG_DIR) -> DictConfig:
     """Compose the config the way ``scripts/train.py`` will; raise :class:`ConfigError` with a fix on failure.
 
@@ -63,9 +122,12 @@ def preflight(argv: list[str], config_name: str = "train", config_dir: Path = CO
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         try:
             firsts = [_first_value(o) for o in overrides]
-            return compose(config_name=config_name, overrides=firsts)
+            cfg = compose(config_name=config_name, overrides=firsts)
         except (HydraException, OmegaConfBaseException, ValueError) as error:
             original = str(error).strip()
+        else:
+            check_trainer_types(cfg)
+            return cfg
         # find the override to blame: the first whose removal makes composition succeed
         for i, override in enumerate(firsts):
             rest = firsts[:i] + firsts[i + 1:]

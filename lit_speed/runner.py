@@ -112,8 +112,11 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
         "model": f"{type(model).__name__}: {n_params:,} parameters",
         "monitor": f"{cfg.monitor} ({cfg.monitor_mode})",
     }
-    for part in [dm, precision, trainer.strategy, *parts["callbacks"]]:
+    for part in [dm, precision, *parts["callbacks"]]:
         rows.update(_describe(part))
+    strategy_describe = getattr(trainer.strategy, "describe", None)
+    if callable(strategy_describe):  # a strategy sizes its memory estimate from the model
+        rows.update({str(k): str(v) for k, v in strategy_describe(model).items()})
     return rows
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("LIT_SPEED_ROOT", str(ROOT))
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # GPU users: DeepSpeed still auto-detects CUDA when this is unset
+if not os.path.exists("/dev/nvidia0"):  # no NVIDIA device: DeepSpeed's CPU accelerator, said explicitly
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 

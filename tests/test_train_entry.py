@@ -82,3 +82,20 @@ def test_component_value_error_is_reported_without_hydra_wrapper(tmp_path):
     result = run_train_script(["data.batch_size=0", f"hydra.run.dir={tmp_path}"], timeout=120)
     assert result.returncode != 0
     assert "data.batch_size must be >= 1, got 0" in result.stderr
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("trainer.max_epochs=abc", r"trainer\.max_epochs='abc': Trainer expects int or null, got str"),
+    ("trainer.max_steps=1.5", r"trainer\.max_steps=1\.5: Trainer expects int, got float"),
+    ("trainer.deterministic=maybe", r"trainer\.deterministic='maybe': Trainer expects bool or 'warn' or null"),
+    ("trainer.enable_progress_bar=3", r"trainer\.enable_progress_bar=3: Trainer expects bool or null, got int"),
+])
+def test_preflight_refuses_wrong_trainer_types(override, message):
+    with pytest.raises(ConfigError, match=message):
+        preflight([override])
+
+
+@pytest.mark.parametrize("override", ["trainer.max_epochs=null", "trainer.gradient_clip_val=1", "trainer.devices=2",
+                                      "trainer.val_check_interval=0.5", "trainer.deterministic=warn"])
+def test_preflight_accepts_valid_trainer_values(override):
+    preflight([override])
