@@ -51,3 +51,21 @@ def run_train_script(args: list[str], cwd: Path | None = None, timeout: float = 
     full_env = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args], cwd=cwd or ROOT,
                           capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+             "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_distributed_env():
+    """An in-process fit leaves MASTER_PORT & co. in os.environ; a later multi-process test would inherit them and
+    fail with "address already in use". Each test starts with the environment the session started with."""
+    saved = {key: os.environ.get(key) for key in _DIST_ENV}
+    for key in _DIST_ENV:
+        os.environ.pop(key, None)
+    yield
+    for key in _DIST_ENV:
+        os.environ.pop(key, None)
+        if saved[key] is not None:
+            os.environ[key] = saved[key]
