@@ -8,18 +8,12 @@ thread; the training loop only drains its buffer once per interval.
 """
 from __future__ import annotations
 
-import resource
-import sys
 import threading
 from typing import Any
 
 import psutil
 
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+from lit_speed.run_summary import peak_rss_bytes
 
 
 class HostStats:
