@@ -28,9 +28,12 @@ class HostStats:
         self._process.cpu_percent(None)  # first call starts the measurement window
 
     def read(self) -> dict[str, float]:
+        rss = self._process.memory_info().rss
         return {
-            "stats/cpu_rss_bytes": float(self._process.memory_info().rss),
-            "stats/cpu_rss_peak_bytes": float(peak_rss_bytes()),
+            "stats/cpu_rss_bytes": float(rss),
+            # /proc's RSS and getrusage's high-water mark are kept by different kernel counters and can
+            # disagree by a few pages; a peak is never below the current value
+            "stats/cpu_rss_peak_bytes": float(max(rss, peak_rss_bytes())),
             "stats/cpu_util_pct": float(self._process.cpu_percent(None)),
             "stats/sys_mem_available_bytes": float(psutil.virtual_memory().available),
         }
