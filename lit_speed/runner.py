@@ -120,10 +120,6 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
     return rows
 
 
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
-
-
 @contextmanager
 def _refusals_as_config_errors(before_training: Callable[[], bool]) -> Iterator[None]:
     """Turn a component's refusal (ValueError, Lightning's MisconfigurationException, a missing file) into
@@ -178,7 +174,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any]) -> None:
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=1))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     rows = {
         "wall time (fit)": f"{summary['fit_wall_time_s']:.1f} s ({summary['train_time_s']:.1f} s training)",
         "throughput": f"{summary['samples_per_sec']:,.0f} samples/s"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -46,8 +46,3 @@ def configure_optimizers(module: "torch.nn.Module", optimizer: OptimizerFactory 
         return opt
     sched = scheduler(opt, total_steps=total_steps)
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
-
-
-def iter_params(groups: Iterable[dict[str, Any]]) -> Iterable[torch.Tensor]:
-    for g in groups:
-        yield from g["params"]
