@@ -64,6 +64,28 @@ def test_factor_changes_exactly_at_the_scheduled_step_and_is_logged():
     assert callback.current_factor == 4
 
 
+def test_every_logger_row_has_every_value_although_unchanged_values_are_not_logged_every_step(tmp_path):
+    # self.log is called for changed values and on the steps the loggers write (log_every_n_steps): the CSV
+    # must look as if every value had been logged on every step
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    recorder = StepRecorder()
+    callback = AccumulationScheduler(factors={0: 1, 3: 4})
+    fit(TinyClassifier(), DataLoader(classification_data(40), batch_size=2), [callback, recorder],
+        logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=2)
+    rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("accumulation/factor")]
+    # 8 optimizer steps (3 of factor 1, then 4 of factor 4 and a ragged one): written after steps 2, 4, 6, 8
+    assert [int(r["step"]) for r in rows] == [1, 3, 5, 7]
+    expected = {1: (1, 2, 2), 3: (4, 8, 8), 5: (4, 8, 8), 7: (4, 8, 2)}  # factor, effective batch, items
+    for r in rows:
+        factor, effective, items = expected[int(r["step"])]
+        assert float(r["accumulation/factor"]) == factor and float(r["accumulation/micro_batch"]) == 2
+        assert float(r["accumulation/effective_batch"]) == effective
+        assert float(r["accumulation/items_in_window"]) == items
+
+
 def test_effective_batch_ramp_by_samples_with_linear_lr_scaling():
     recorder = StepRecorder()
     callback = AccumulationScheduler(effective_batch={0: 4, 16: 16}, unit="samples", lr_scaling="linear")

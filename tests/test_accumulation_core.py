@@ -119,6 +119,9 @@ def test_window_scale_undoes_ddp_averaging_and_refuses_empty_windows():
     (RuntimeError("cuFFT error: CUFFT_ALLOC_FAILED"), True),
     (RuntimeError("MPS backend out of memory (MPS allocated: 1.2 GB)"), True),
     (RuntimeError("[enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: can't allocate memory"), True),
+    (RuntimeError("could not create a primitive"), True),  # oneDNN under RLIMIT_AS
+    (RuntimeError("std::bad_alloc"), True),
+    (MemoryError(), True),
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"), False),
     (ValueError("out of memory"), False),
 ])

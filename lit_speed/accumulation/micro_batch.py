@@ -14,7 +14,7 @@ import torch
 
 from lit_speed.accumulation.window import batch_samples, head_batch
 
-# Substrings of the messages CUDA/cuBLAS/cuDNN/NCCL/MPS use for a failed allocation.
+# Substrings of the messages CUDA/cuBLAS/cuDNN/NCCL/MPS and the CPU allocators use for a failed allocation.
 OOM_MESSAGES = (
     "out of memory",                         # "CUDA out of memory. Tried to allocate ...", "CUDA error: out of memory"
     "CUBLAS_STATUS_ALLOC_FAILED",            # cuBLAS could not allocate its workspace
@@ -25,6 +25,8 @@ OOM_MESSAGES = (
     "MPS backend out of memory",
     "DefaultCPUAllocator: can't allocate memory",
     "DefaultCPUAllocator: not enough memory",
+    "std::bad_alloc",                        # C++ allocations inside CPU kernels
+    "could not create a primitive",          # oneDNN (CPU): its workspace allocation failed (seen under RLIMIT_AS)
 )
 
 
@@ -36,12 +38,12 @@ def is_oom_error(error: BaseException) -> bool:
         >>> is_oom_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
         True
     """
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
     if not isinstance(error, RuntimeError):
         return False
-    message = str(error)
-    return any(pattern.lower() in message.lower() for pattern in OOM_MESSAGES)
+    message = str(error).lower()
+    return any(pattern.lower() in message for pattern in OOM_MESSAGES)
 
 
 def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:

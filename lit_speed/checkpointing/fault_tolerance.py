@@ -16,16 +16,20 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from typing_extensions import override
 
+from lit_speed.accumulation.micro_batch import is_oom_error
 from lit_speed.checkpointing.atomic_checkpoint_io import AtomicCheckpointIO
-from lit_speed.checkpointing.resume import checkpoint_folders, last_good_checkpoint, rng_state, set_rng_state
+from lit_speed.checkpointing.resume import (
+    checkpoint_folders,
+    last_good_checkpoint,
+    recreate_train_iterator,
+    rng_state,
+    set_rng_state,
+    train_iterator_exists,
+)
 
 log = logging.getLogger(__name__)
 
 NONFINITE_POLICIES = ("warn", "raise")
-# substrings of the errors torch raises when an allocation fails (CPU allocator, CUDA caching allocator, and
-# oneDNN's CPU kernels, which report a failed workspace allocation as "could not create a primitive")
-OUT_OF_MEMORY_MARKERS = ("can't allocate memory", "out of memory", "not enough memory", "std::bad_alloc",
-                         "could not create a primitive")
 # ... and when a collective's peer process died or stopped answering (gloo, NCCL, the TCP store)
 LOST_PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
                      "timeout", "nccl", "socket")
@@ -34,7 +38,7 @@ LOST_PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "b
 def classify_failure(exception: BaseException, world_size: int = 1) -> str | None:
     """``"out_of_memory"``, ``"lost_peer"`` (only when ``world_size > 1``) or ``None`` for anything else."""
     text = str(exception).lower()
-    if isinstance(exception, MemoryError) or any(m in text for m in OUT_OF_MEMORY_MARKERS):
+    if is_oom_error(exception):
         return "out_of_memory"
     if world_size > 1 and isinstance(exception, (RuntimeError, ConnectionError, TimeoutError)) and any(
             m in text for m in LOST_PEER_MARKERS):
@@ -118,7 +122,8 @@ class FaultTolerance(Callback):
         keep_previous: Keep the version each save replaces as ``<file>.prev`` (resume falls back to it).
         restore_rng: Save the random-number-generator states (torch, numpy, python; rank 0's) with every
             checkpoint and restore them on resume, so that a run resumed from an end-of-epoch checkpoint
-            shuffles and drops out exactly as the uninterrupted run.
+            shuffles and drops out exactly as the uninterrupted run. Under strategies that restore after
+            their setup (DeepSpeed), the training iterator built before the restore is built again.
         check_every_n_steps: How often the training loss is checked (each check reads the loss on the host,
             which synchronises a GPU). ``0`` = never; the weights are still checked at the end.
         on_nonfinite_weights: ``"warn"`` or ``"raise"`` when the weights are non-finite at the end of fit.
@@ -152,10 +157,13 @@ class FaultTolerance(Callback):
         self.failure: str | None = None
         self._batch_step = 0
         self._mapped_at_setup: int | None = None
+        self._trainer: pl.Trainer | None = None
+        self._stale_train_iterator = False
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._mapped_at_setup = mapped_bytes()
+        self._trainer = trainer
         strategy = trainer.strategy
         # runs before Lightning restores ckpt_path, so the resume itself is verified too
         if self.atomic_checkpoints and type(strategy.checkpoint_io) is TorchCheckpointIO:
@@ -163,6 +171,20 @@ class FaultTolerance(Callback):
         self.checkpoint_io_name = type(strategy.checkpoint_io).__name__
         if isinstance(strategy, DeepSpeedStrategy):
             self.checkpoint_io_name += " (unused: DeepSpeed writes its own folders)"
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # resumed mid-epoch: no on_train_epoch_start follows, the iterator must be rebuilt now
+        if self._stale_train_iterator and trainer.fit_loop.restarted_mid_epoch:
+            self._stale_train_iterator = False
+            recreate_train_iterator(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # the sampler epoch is set by now; rebuild the iterator that was made before the RNG states came back
+        if self._stale_train_iterator:
+            self._stale_train_iterator = False
+            recreate_train_iterator(trainer)
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
@@ -243,5 +265,8 @@ class FaultTolerance(Callback):
         self.nonfinite_losses = state_dict.get("nonfinite_losses", 0)
         self.first_nonfinite_loss_step = state_dict.get("first_nonfinite_loss_step")
         if self.restore_rng and state_dict.get("rng") is not None:
-            # Lightning restores callbacks after seeding and before the first batch is drawn
             set_rng_state(state_dict["rng"])
+            # Most strategies restore callbacks before configure_optimizers, so the training iterator is made
+            # after this point. DeepSpeed restores after its setup: the iterator configure_optimizers may have
+            # made (estimated_stepping_batches) has shuffled with the fresh seed and the wrong sampler epoch.
+            self._stale_train_iterator = train_iterator_exists(self._trainer)

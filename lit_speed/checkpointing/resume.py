@@ -146,3 +146,26 @@ def set_rng_state(state: dict[str, Any]) -> None:
         random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def train_iterator_exists(trainer: "pl.Trainer | None") -> bool:
+    """Whether the fit loop already holds a training-data iterator (private fit-loop detail, Lightning 2.6.6).
+
+    ``trainer.estimated_stepping_batches`` (read in ``configure_optimizers`` by every schedule that needs
+    the total step count) runs ``fit_loop.setup_data()``, which creates the iterator - and, with
+    Lightning's prefetching fetcher, draws the first batch - at once. Strategies that restore a
+    checkpoint after their setup (``restore_checkpoint_after_setup``, e.g. DeepSpeed) therefore build the
+    first resumed epoch's iterator *before* the RNG states and the sampler epoch are restored
+    (Lightning issue #20550 is the same ordering bug for stateful loaders).
+    """
+    fetcher = getattr(getattr(trainer, "fit_loop", None), "_data_fetcher", None)
+    return getattr(fetcher, "iterator", None) is not None
+
+
+def recreate_train_iterator(trainer: "pl.Trainer") -> None:
+    """Build the fit loop's training iterator again, as Lightning does itself at the start of every epoch
+    after the first (``_TrainingEpochLoop.on_run_start`` calls ``iter(data_fetcher)``): samplers shuffle
+    and the loader draws its base seed from the RNG states as they are now; a prefetched batch is dropped."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None:
+        iter(fetcher)

@@ -10,6 +10,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lit_speed.accumulation.lightning_internals import log_step_metrics
+
 PATIENCE_UNITS = ("checks", "steps", "seconds")
 MODES = ("min", "max")
 
@@ -83,6 +85,7 @@ class CurriculumEarlyStopping(Callback):
         self.target_time_s: float | None = None
         self._elapsed_before = 0.0  # training seconds of earlier (resumed) runs
         self._start: float | None = None
+        self._last_logged: dict[str, float] = {}
 
     @property
     @override
@@ -96,6 +99,7 @@ class CurriculumEarlyStopping(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._start = time.perf_counter()
+        self._last_logged: dict[str, float] = {}  # a new fit starts with empty callback_metrics
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
@@ -103,9 +107,10 @@ class CurriculumEarlyStopping(Callback):
         dm = trainer.datamodule
         if hasattr(dm, "fraction_at"):  # a CurriculumDataModule: log where the curriculum stands
             g = max(dm.batches_seen - 1, 0)
-            pl_module.log("curriculum/allowed_fraction", dm.fraction_at(g))
+            values = {"curriculum/allowed_fraction": float(dm.fraction_at(g))}
             if dm.seq_len_at(g) is not None:
-                pl_module.log("curriculum/seq_len_tokens", float(dm.seq_len_at(g)))
+                values["curriculum/seq_len_tokens"] = float(dm.seq_len_at(g))
+            log_step_metrics(trainer, pl_module, values, self._last_logged)
         if self.time_budget_s is None or self.reason is not None:
             return
         over = trainer.strategy.broadcast(self.elapsed() >= self.time_budget_s)  # rank 0's clock decides
