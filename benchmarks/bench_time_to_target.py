@@ -9,6 +9,8 @@ in every variant, each in its own fresh process:
 - ``lightning``: GPTModule with the charlm_cpu recipe (batch 12, AdamW lr 3e-3 with torch's default
   implementation, warm-up + cosine) in ``Trainer(accelerator="cpu")`` with Lightning's defaults
   (checkpointing, logger, progress bar, model summary, sanity check).
+- ``lightning_fast_recipe``: the same plain Lightning run with charlm_fast's batch size and peak LR (read
+  from conf/experiment/charlm_fast.yaml): how much of the preset's gain is its recipe, not lit_speed.
 - ``plain_loop``: benchmarks/plain_loop.py with the same recipe as ``lightning``, no framework.
 
 The measuring instrument is identical for all three: validation every 25 training batches on the same
@@ -37,7 +39,15 @@ VAL_EVERY, VAL_BATCHES = 25, 4
 CACHE = str(ROOT / ".cache" / "charlm")
 
 
-def child_lightning(target: float, max_steps: int) -> dict[str, Any]:
+def fast_recipe() -> dict[str, Any]:
+    """Batch size and peak LR of ``experiment=charlm_fast`` (from its YAML, so they cannot drift)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(ROOT / "conf" / "experiment" / "charlm_fast.yaml")
+    return {"batch_size": int(cfg.data.batch_size), "lr": float(cfg.optimizer.lr)}
+
+
+def child_lightning(target: float, max_steps: int, batch_size: int = 12, lr: float = 0.003) -> dict[str, Any]:
     import functools
 
     import lightning.pytorch as pl
@@ -49,9 +59,9 @@ def child_lightning(target: float, max_steps: int) -> dict[str, Any]:
     from lit_speed.reporting import TimeToTarget
 
     pl.seed_everything(42)
-    dm = CharLMDataModule(cache_dir=CACHE, block_size=64, batch_size=12)
+    dm = CharLMDataModule(cache_dir=CACHE, block_size=64, batch_size=batch_size)
     model = GPTModule(block_size=64, n_layer=4, n_head=4, n_embd=128,
-                      optimizer=functools.partial(torch.optim.AdamW, lr=0.003, betas=(0.9, 0.99)),
+                      optimizer=functools.partial(torch.optim.AdamW, lr=lr, betas=(0.9, 0.99)),
                       scheduler=functools.partial(warmup_cosine, warmup_steps=20, min_lr_ratio=0.1))
     timer = TimeToTarget(target=target, monitor="val/loss", mode="min", stop=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,6 +111,7 @@ def run_child(kind: str, target: float, max_steps: int) -> dict[str, Any]:
 
 VARIANTS = {"lit_speed": run_lit_speed,
             "lightning": lambda t, m: run_child("lightning", t, m),
+            "lightning_fast_recipe": lambda t, m: run_child("lightning_fast_recipe", t, m),
             "plain_loop": lambda t, m: run_child("plain", t, m)}
 
 
@@ -109,11 +120,15 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=2.4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=1000)
-    parser.add_argument("--child", choices=["lightning", "plain"], default=None)
+    parser.add_argument("--child", choices=["lightning", "lightning_fast_recipe", "plain"], default=None)
     args = parser.parse_args()
     if args.child:
-        fn = child_lightning if args.child == "lightning" else child_plain
-        print(json.dumps(fn(args.target, args.max_steps)))
+        if args.child == "plain":
+            out = child_plain(args.target, args.max_steps)
+        else:
+            out = child_lightning(args.target, args.max_steps,
+                                  **(fast_recipe() if args.child == "lightning_fast_recipe" else {}))
+        print(json.dumps(out))
         return
     load_start = os.getloadavg()
     names = list(VARIANTS)
@@ -140,19 +155,24 @@ def main() -> None:
 
     ratios = {"lit_speed/lightning": ratio("lit_speed", "lightning"), "plain_loop/lightning": ratio("plain_loop", "lightning"),
               "cpu lit_speed/lightning": ratio("lit_speed", "lightning", "cpu_time_to_target_s"),
-              "cpu plain_loop/lightning": ratio("plain_loop", "lightning", "cpu_time_to_target_s")}
+              "cpu plain_loop/lightning": ratio("plain_loop", "lightning", "cpu_time_to_target_s"),
+              "lightning_fast_recipe/lightning": ratio("lightning_fast_recipe", "lightning"),
+              "lit_speed/lightning_fast_recipe": ratio("lit_speed", "lightning_fast_recipe"),
+              "cpu lit_speed/lightning_fast_recipe": ratio("lit_speed", "lightning_fast_recipe",
+                                                           "cpu_time_to_target_s")}
     results = {"target_val_loss": args.target, "max_steps": args.max_steps, "repeats": args.repeats,
                "val_every": VAL_EVERY, "val_batches": VAL_BATCHES, "summary": summary, "ratios": ratios,
                "runs": runs, "load_average_start_end": [load_start, os.getloadavg()]}
     for name in names:
         t = summary[name]["time_to_target_s"]
         s = summary[name]["steps_to_target"]
-        print(f"{name:10s} reached {summary[name]['reached']}: "
+        print(f"{name:22s} reached {summary[name]['reached']}: "
               + (f"{t['median']:.1f} s (min {t['min']:.1f}, max {t['max']:.1f}), {s['median']:.0f} steps" if t else "n/a"))
     print(f"ratios (time to target): {ratios}  (target: lit_speed/lightning <= 0.5)")
     write_result("time_to_target", results,
                  f"charlm val/loss <= {args.target}, {args.repeats} repeats: experiment=charlm_fast / plain Lightning "
-                 f"= x{ratios['lit_speed/lightning']}, plain loop / Lightning = x{ratios['plain_loop/lightning']}; "
+                 f"= x{ratios['lit_speed/lightning']} (same recipe in plain Lightning: x{ratios['lightning_fast_recipe/lightning']}), "
+                 f"plain loop / Lightning = x{ratios['plain_loop/lightning']}; "
                  f"steps " + ", ".join(f"{n} {summary[n]['steps_to_target']['median']:.0f}" if summary[n]['steps_to_target']
                                        else f"{n} n/a" for n in names) + f"; load avg {os.getloadavg()[0]:.1f}")
 
