@@ -255,3 +255,16 @@ def test_train_iterator_helpers_follow_lightnings_fit_loop(tmp_path):
                 datamodule=DigitsDataModule(batch_size=32))
     assert seen == {"at setup": False, "at train start": True, "rebuilt": True}
     assert trainer.global_step == 2
+
+
+def test_rng_states_of_another_world_size_fall_back_to_rank_0s_with_a_warning():
+    torch.manual_seed(1)
+    rank0 = rng_state()
+    torch.manual_seed(2)
+    rank1 = rng_state()
+    ft = FaultTolerance()  # never set up: a single process
+    with pytest.warns(UserWarning, match=r"RNG states for 2 process\(es\), this run has 1: every process gets rank 0's"):
+        ft.load_state_dict({"rng": rank0, "rng_per_rank": [rank0, rank1]})
+    assert torch.equal(torch.get_rng_state(), rank0["torch"])
+    ft.load_state_dict({"rng": rank1})  # a single-process checkpoint: no warning, its state
+    assert torch.equal(torch.get_rng_state(), rank1["torch"])

@@ -5,7 +5,8 @@ What this proves, and what it does not: checkpoints are written at epoch ends (`
 validation), so the resumed run repeats the steps between the last epoch end and the kill. With
 ``FaultTolerance(restore_rng=True)`` (on by default) those repeated steps draw the same shuffle and dropout,
 and the final weights and optimizer state are bitwise equal to the uninterrupted run on CPU with
-``trainer.deterministic=true``. Without the RNG states they are not
+``trainer.deterministic=true``, on one process and on two (DDP and ZeRO-2: every rank's RNG state is saved).
+Without the RNG states they are not
 (``test_resume_without_rng_state_is_not_exact``): Lightning checkpoints no RNG state. Mid-epoch checkpoints
 of a plain ``DataLoader`` are not exact either (Lightning restarts the epoch's iterator and warns).
 """
@@ -49,6 +50,11 @@ MATRIX = [
                  marks=pytest.mark.slow),
     pytest.param(["precision=bf16-mixed", "strategy=zero2", *RAMP, "data=digits_curriculum"], (7, 13),
                  id="bf16mixed-zero2-ramp-curriculum",
+                 marks=pytest.mark.slow),
+    # two processes: each rank's RNG state is saved, and the first resumed epoch is re-drawn after set_epoch
+    pytest.param(["trainer=ddp_cpu"], DEFAULT_KILL_RANGE, id="32true-ddp2-noaccum-nocurriculum",
+                 marks=pytest.mark.slow),
+    pytest.param(["trainer=ddp_cpu", "strategy=zero2"], DEFAULT_KILL_RANGE, id="32true-zero2x2-noaccum-nocurriculum",
                  marks=pytest.mark.slow),
 ]
 

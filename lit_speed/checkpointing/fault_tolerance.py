@@ -20,6 +20,7 @@ from lit_speed.accumulation.micro_batch import is_oom_error
 from lit_speed.checkpointing.atomic_checkpoint_io import AtomicCheckpointIO
 from lit_speed.checkpointing.resume import (
     checkpoint_folders,
+    gather_rng_states,
     last_good_checkpoint,
     recreate_train_iterator,
     rng_state,
@@ -120,10 +121,11 @@ class FaultTolerance(Callback):
     Args:
         atomic_checkpoints: Install :class:`AtomicCheckpointIO`.
         keep_previous: Keep the version each save replaces as ``<file>.prev`` (resume falls back to it).
-        restore_rng: Save the random-number-generator states (torch, numpy, python; rank 0's) with every
+        restore_rng: Save the random-number-generator states (torch, numpy, python; every rank's) with every
             checkpoint and restore them on resume, so that a run resumed from an end-of-epoch checkpoint
-            shuffles and drops out exactly as the uninterrupted run. Under strategies that restore after
-            their setup (DeepSpeed), the training iterator built before the restore is built again.
+            shuffles and drops out exactly as the uninterrupted run. The first resumed epoch starts from the
+            saved state with a training iterator built at its start (Lightning builds it earlier: before
+            ``DistributedSampler.set_epoch``, and under DeepSpeed before the restore itself).
         check_every_n_steps: How often the training loss is checked (each check reads the loss on the host,
             which synchronises a GPU). ``0`` = never; the weights are still checked at the end.
         on_nonfinite_weights: ``"warn"`` or ``"raise"`` when the weights are non-finite at the end of fit.
@@ -159,6 +161,7 @@ class FaultTolerance(Callback):
         self._mapped_at_setup: int | None = None
         self._trainer: pl.Trainer | None = None
         self._stale_train_iterator = False
+        self._restored_rng: dict[str, Any] | None = None
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -174,17 +177,24 @@ class FaultTolerance(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # resumed mid-epoch: no on_train_epoch_start follows, the iterator must be rebuilt now
-        if self._stale_train_iterator and trainer.fit_loop.restarted_mid_epoch:
-            self._stale_train_iterator = False
-            recreate_train_iterator(trainer)
+        # resumed mid-epoch: no on_train_epoch_start follows; rebuild an iterator made before the restore now
+        if self._restored_rng is not None and trainer.fit_loop.restarted_mid_epoch:
+            if self._stale_train_iterator:
+                recreate_train_iterator(trainer)
+            self._restored_rng, self._stale_train_iterator = None, False
 
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # the sampler epoch is set by now; rebuild the iterator that was made before the RNG states came back
-        if self._stale_train_iterator:
-            self._stale_train_iterator = False
-            recreate_train_iterator(trainer)
+        # The first epoch after a resume starts as the uninterrupted run's did: from the saved RNG state, with
+        # an iterator built now that the sampler epoch is set. Lightning built (and prefetched) it earlier:
+        # before DeepSpeed's late restore, and before DistributedSampler.set_epoch in every strategy.
+        # (Only while Lightning still counts the run as resuming: after a restart at an epoch's end it builds
+        # the next epoch's iterator itself, from the RNG as the uninterrupted run left it.)
+        if self._restored_rng is not None:
+            if trainer.fit_loop.is_resuming:
+                set_rng_state(self._restored_rng)
+                recreate_train_iterator(trainer)
+            self._restored_rng, self._stale_train_iterator = None, False
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
@@ -258,15 +268,31 @@ class FaultTolerance(Callback):
         state = {"nonfinite_losses": self.nonfinite_losses, "first_nonfinite_loss_step": self.first_nonfinite_loss_step}
         if self.restore_rng:
             state["rng"] = rng_state()
+            # Lightning writes rank 0's callback states only; the other ranks' RNG streams differ
+            per_rank = gather_rng_states()
+            if per_rank is not None:
+                state["rng_per_rank"] = per_rank
         return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.nonfinite_losses = state_dict.get("nonfinite_losses", 0)
         self.first_nonfinite_loss_step = state_dict.get("first_nonfinite_loss_step")
-        if self.restore_rng and state_dict.get("rng") is not None:
-            set_rng_state(state_dict["rng"])
-            # Most strategies restore callbacks before configure_optimizers, so the training iterator is made
-            # after this point. DeepSpeed restores after its setup: the iterator configure_optimizers may have
-            # made (estimated_stepping_batches) has shuffled with the fresh seed and the wrong sampler epoch.
-            self._stale_train_iterator = train_iterator_exists(self._trainer)
+        if not self.restore_rng or state_dict.get("rng") is None:
+            return
+        state = state_dict["rng"]
+        per_rank = state_dict.get("rng_per_rank")
+        trainer = self._trainer
+        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        if per_rank is not None and len(per_rank) == world_size:
+            state = per_rank[rank]
+        elif world_size > 1 or per_rank is not None:
+            rank_zero_warn(f"The checkpoint holds RNG states for {len(per_rank) if per_rank else 1} process(es), "
+                           f"this run has {world_size}: every process gets rank 0's, so the resumed run shuffles "
+                           "and drops out differently from an uninterrupted one.")
+        set_rng_state(state)
+        self._restored_rng = state
+        # Most strategies restore callbacks before configure_optimizers, so the training iterator is made
+        # after this point. DeepSpeed restores after its setup: the iterator configure_optimizers may have
+        # made (estimated_stepping_batches) has shuffled with the fresh seed and the wrong sampler epoch.
+        self._stale_train_iterator = train_iterator_exists(trainer)

@@ -134,6 +134,20 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def gather_rng_states() -> list[dict[str, Any]] | None:
+    """Every process's :func:`rng_state`, in rank order, when ``torch.distributed`` runs several; else ``None``.
+
+    A collective: called while Lightning dumps a checkpoint, which it does on every process.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` captured (keys missing from older checkpoints are left alone)."""
     if "torch" in state:
