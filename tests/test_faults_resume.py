@@ -92,6 +92,24 @@ def test_sigkill_at_a_random_step_then_resume_matches_the_uninterrupted_run(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["auto", "zero2"])
+def test_mid_epoch_checkpoint_of_a_resumable_loader_resumes_exactly(tmp_path, strategy):
+    # checkpoints every 4 steps; killed at step 14, so last.ckpt is step 12, half-way through epoch 2. The
+    # curriculum sampler resumes its epoch; the RNG must go on from the saved state although Lightning builds
+    # a new iterator (drawing its base seed) and, under DeepSpeed, builds it before the restore
+    args = SHORT_RUN + ["data=digits_curriculum", "callbacks.model_checkpoint.every_n_train_steps=4",
+                        f"strategy={strategy}"]
+    reference, killed = _both((args, tmp_path / "reference"), (args + kill_at(14), tmp_path / "run"))
+    assert reference.returncode == 0, explain(reference)
+    assert killed.returncode == SIGKILLED, explain(killed)
+    resumed = train(args + ["ckpt_path=last"], tmp_path / "run")
+    assert resumed.returncode == 0, explain(resumed)
+    assert "curriculum resumed at epoch 1, batch 4" in resumed.stdout + resumed.stderr, explain(resumed)
+    _assert_same_training_state(tmp_path / "reference" / "checkpoints" / "last.ckpt",
+                                tmp_path / "run" / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.slow
 def test_sigkill_inside_a_checkpoint_save_keeps_the_previous_one_and_resumes_exactly(tmp_path):
     # dies in the epoch-2 save (step 16), after a temporary file is written and before it replaces its target
     # (ModelCheckpoint writes the top-k file first, then last.ckpt): last.ckpt must still be the step-8 one

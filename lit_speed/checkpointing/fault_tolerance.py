@@ -177,10 +177,13 @@ class FaultTolerance(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # resumed mid-epoch: no on_train_epoch_start follows; rebuild an iterator made before the restore now
+        # Resumed mid-epoch (from a resumable loader's checkpoint): no on_train_epoch_start follows. Rebuild an
+        # iterator made before the restore, then go back to the saved RNG state: the uninterrupted run went on
+        # from it to the next batch, without building an iterator (whose base seed is drawn from the RNG).
         if self._restored_rng is not None and trainer.fit_loop.restarted_mid_epoch:
             if self._stale_train_iterator:
                 recreate_train_iterator(trainer)
+            set_rng_state(self._restored_rng)
             self._restored_rng, self._stale_train_iterator = None, False
 
     @override
