@@ -14,7 +14,13 @@ from omegaconf import DictConfig, open_dict
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 os.environ.setdefault("LIT_SPEED_ROOT", str(ROOT))
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from lit_speed.strategies.ds_accelerator import default_accelerator_name  # noqa: E402 - imports torch, not DeepSpeed
+
+# Before any test module imports DeepSpeed (many do at collection): its accelerator follows this machine, so
+# `pytest -m gpu` on a GPU runs DeepSpeed's CUDA accelerator. ZeroStrategy re-checks the choice at setup.
+os.environ["DS_ACCELERATOR"] = default_accelerator_name()
 
 
 def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:

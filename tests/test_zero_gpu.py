@@ -12,9 +12,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_on_one_gpu_matches_ddp(tmp_path, stage: int) -> None:
-    import os
-
-    os.environ["DS_ACCELERATOR"] = "cuda"
+    from deepspeed.accelerator import get_accelerator
     from helpers_zero import make_run
     import lightning.pytorch as pl
 
@@ -29,6 +27,17 @@ def test_zero_on_one_gpu_matches_ddp(tmp_path, stage: int) -> None:
         losses[name] = model.losses
     # fp32 on both sides; cuBLAS may pick different kernels for the flat ZeRO buffers: 1e-4 relative
     assert losses["zero"] == pytest.approx(losses["ddp"], rel=1e-4)
+    assert get_accelerator().device_name() == "cuda"
+
+
+def test_pytest_runs_deepspeed_on_the_cuda_accelerator() -> None:
+    """tests/conftest.py chose DS_ACCELERATOR from this machine before any test module imported DeepSpeed."""
+    import os
+
+    from deepspeed.accelerator import get_accelerator
+
+    assert os.environ["DS_ACCELERATOR"] == "cuda"
+    assert type(get_accelerator()).__name__ == "CUDA_Accelerator"
 
 
 def test_fp16_on_gpu_takes_the_scaler_config(tmp_path) -> None:

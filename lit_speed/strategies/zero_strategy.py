@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lit_speed.strategies import _lightning_compat as compat
 from lit_speed.strategies.consolidate import check_resume_world_size
+from lit_speed.strategies.ds_accelerator import use_deepspeed_accelerator
 from lit_speed.strategies.memory_estimate import (
     ZeroMemoryEstimate,
     estimate_zero_memory,
@@ -154,8 +155,9 @@ class ZeroStrategy(DeepSpeedStrategy):
             raise RuntimeError(f"ZeroStrategy runs on CPUAccelerator or CUDAAccelerator, got "
                                f"{type(self.accelerator).__name__}")
         check_precision(self.precision_plugin.precision, "cpu" if on_cpu else "cuda")
-        if on_cpu:
-            _check_deepspeed_accelerator_is_cpu()
+        # DeepSpeed may have fixed its accelerator at import, from DS_ACCELERATOR; the device decides here
+        if use_deepspeed_accelerator("cpu" if on_cpu else "cuda"):
+            rank_zero_info(f"ZeroStrategy: DeepSpeed accelerator set to {'cpu' if on_cpu else 'cuda'} for this run")
         self._apply_source_precision()
         # skip DeepSpeedStrategy's CUDA-only check; the rest of the environment setup is DDP's
         DDPStrategy.setup_environment(self)
@@ -296,11 +298,3 @@ def _read_config(config: Mapping[str, Any] | str | Path | None) -> dict[str, Any
         pass
     return dict(config)
 
-
-def _check_deepspeed_accelerator_is_cpu() -> None:
-    from deepspeed.accelerator import get_accelerator
-
-    name = get_accelerator().device_name()
-    if name != "cpu":
-        raise RuntimeError(f"trainer.accelerator=cpu but DeepSpeed selected the {name!r} accelerator; "
-                           "set the environment variable DS_ACCELERATOR=cpu before starting Python")
