@@ -141,11 +141,19 @@ class DeviceStatsLogger(Callback):
         device = trainer.strategy.root_device
         self._timer = StepTimer(cuda=device.type == "cuda")
         self._host = HostStats()
-        if device.type == "cuda" and self.gpu_sample_every_s is not None:
+        if self.gpu_sample_every_s is not None:
             try:
-                self._gpu = NvmlSampler(device.index or 0, self.gpu_sample_every_s)
+                self._gpu = self.make_gpu_sampler(device, self.gpu_sample_every_s)
             except ModuleNotFoundError as error:
                 rank_zero_warn(f"DeviceStatsLogger: no GPU utilisation, power or temperature. {error}")
+
+    def make_gpu_sampler(self, device: torch.device, every_s: float) -> NvmlSampler | None:
+        """The NVML sampler for the run's device: one on CUDA, none elsewhere. Override to sample another GPU.
+
+        Raises:
+            ModuleNotFoundError: If ``nvidia-ml-py`` is not installed (the fit goes on without GPU stats).
+        """
+        return NvmlSampler(device.index or 0, every_s) if device.type == "cuda" else None
 
     def _resolve_peak(self, trainer: "pl.Trainer") -> None:
         if self._peak is not None:
@@ -233,10 +241,10 @@ class DeviceStatsLogger(Callback):
             metrics["stats/gpu_mem_peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated(device))
             metrics["stats/gpu_mem_peak_reserved_bytes"] = float(torch.cuda.max_memory_reserved(device))
             torch.cuda.reset_peak_memory_stats(device)  # the next interval's peak starts here
-            if self._gpu is not None:
-                metrics.update(summarize_gpu_samples(self._gpu.drain()))
-                if "stats/gpu_util_pct" in metrics:
-                    self._gpu_util.append(metrics["stats/gpu_util_pct"])
+        if self._gpu is not None:
+            metrics.update(summarize_gpu_samples(self._gpu.drain()))
+            if "stats/gpu_util_pct" in metrics:
+                self._gpu_util.append(metrics["stats/gpu_util_pct"])
         key = "stats/gpu_mem_peak_reserved_bytes" if device.type == "cuda" else "stats/cpu_rss_peak_bytes"
         self._own_memory_peak = max(self._own_memory_peak, metrics.get(key, 0.0))
         memory_keys = [k for k in ("stats/cpu_rss_peak_bytes", "stats/gpu_mem_peak_reserved_bytes") if k in metrics]

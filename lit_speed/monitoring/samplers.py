@@ -63,14 +63,21 @@ def summarize_gpu_samples(samples: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _nvml_handle(pynvml: Any, device_index: int) -> Any:
-    """The NVML handle of a torch CUDA device, matched by UUID because CUDA_VISIBLE_DEVICES renumbers devices."""
+def cuda_device_uuid(device_index: int) -> str | None:
+    """The NVML UUID (``"GPU-<uuid>"``) of a torch CUDA device; None without CUDA or an older torch."""
     import torch
 
+    if not torch.cuda.is_available():
+        return None
     uuid = getattr(torch.cuda.get_device_properties(device_index), "uuid", None)
+    return f"GPU-{uuid}" if uuid is not None else None
+
+
+def nvml_handle(pynvml: Any, device_index: int, uuid: str | None) -> Any:
+    """The NVML handle of a device: by UUID (CUDA_VISIBLE_DEVICES renumbers devices), else by index."""
     if uuid is not None:
         try:
-            return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+            return pynvml.nvmlDeviceGetHandleByUUID(uuid)
         except pynvml.NVMLError:
             pass
     return pynvml.nvmlDeviceGetHandleByIndex(device_index)
@@ -97,9 +104,13 @@ def read_nvml(pynvml: Any, handle: Any) -> dict[str, float]:
 class NvmlSampler:
     """Poll one GPU through NVML every ``every_s`` seconds on a daemon thread.
 
+    A reading NVML refuses (``NVMLError``: unsupported on the board, a transient driver error) is left out
+    of that sample; any other error in a reading is counted in :attr:`errors` and the thread keeps polling.
+
     Args:
         device_index: torch CUDA device index of this process.
         every_s: Seconds between readings.
+        uuid: NVML UUID of the device (``"GPU-..."``); ``None`` = from ``torch.cuda.get_device_properties``.
 
     Raises:
         ModuleNotFoundError: If ``nvidia-ml-py`` is not installed (``pip install lit_speed[gpu]``).
@@ -111,7 +122,7 @@ class NvmlSampler:
         ...; metrics = summarize_gpu_samples(sampler.drain()); sampler.stop()
     """
 
-    def __init__(self, device_index: int, every_s: float = 0.5) -> None:
+    def __init__(self, device_index: int, every_s: float = 0.5, uuid: str | None = None) -> None:
         if every_s <= 0:
             raise ValueError(f"gpu_sample_every_s must be > 0 seconds, got {every_s}")
         try:
@@ -122,6 +133,8 @@ class NvmlSampler:
                                       "memory only") from error
         self._pynvml = pynvml
         self.device_index = device_index
+        self.uuid = uuid
+        self.errors = 0
         self._handle: Any = None
         self.every_s = every_s
         self._samples: list[dict[str, float]] = []
@@ -131,14 +144,19 @@ class NvmlSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            sample = read_nvml(self._pynvml, self._handle)
+            try:
+                sample = read_nvml(self._pynvml, self._handle)
+            except Exception:  # noqa: BLE001 - a monitor must not die mid-run; the count tells
+                self.errors += 1
+                continue
             with self._lock:
                 self._samples.append(sample)
 
     def start(self) -> None:
         if self._thread is None:
             self._pynvml.nvmlInit()  # reference-counted by NVML; paired with nvmlShutdown in stop()
-            self._handle = _nvml_handle(self._pynvml, self.device_index)
+            uuid = self.uuid if self.uuid is not None else cuda_device_uuid(self.device_index)
+            self._handle = nvml_handle(self._pynvml, self.device_index, uuid)
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="lit_speed-nvml", daemon=True)
             self._thread.start()
@@ -148,6 +166,11 @@ class NvmlSampler:
         with self._lock:
             samples, self._samples = self._samples, []
         return samples or [read_nvml(self._pynvml, self._handle)]
+
+    @property
+    def running(self) -> bool:
+        """Whether the polling thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         if self._thread is not None:
