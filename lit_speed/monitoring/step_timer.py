@@ -73,6 +73,8 @@ class StepTimer:
     Args:
         cuda: Record CUDA events instead of host timestamps (no device sync until :meth:`flush`).
         clock: Host clock in seconds (``time.perf_counter``; injectable for tests).
+        event_factory: Makes one timing event with ``record()``, ``elapsed_time(end)`` in milliseconds and
+            ``synchronize()`` (``torch.cuda.Event(enable_timing=True)``; injectable for tests).
 
     Example::
 
@@ -82,14 +84,16 @@ class StepTimer:
         split = timer.flush()  # TimeSplit(data_wait_s=0.0, forward_backward_s=..., optimizer_s=..., batches=1)
     """
 
-    def __init__(self, cuda: bool = False, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, cuda: bool = False, clock: Callable[[], float] = time.perf_counter,
+                 event_factory: Callable[[], Any] | None = None) -> None:
         self.cuda = cuda
         self.clock = clock
+        self.event_factory = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
         self._marks: list[tuple[str, Any] | None] = []
 
     def mark(self, label: str) -> None:
         if self.cuda:
-            stamp = torch.cuda.Event(enable_timing=True)
+            stamp = self.event_factory()
             stamp.record()
         else:
             stamp = self.clock()
