@@ -2,12 +2,18 @@
 
     python scripts/selfcheck.py          # CPU checks (a minute or two): the wiring and this CPU's bf16 support
     python scripts/selfcheck.py --gpu    # GPU-only checks the test suite skips on CPU machines
+    python scripts/selfcheck.py --gpu --table   # + tokens/s and peak memory table (<= 10 min on one GPU)
 
 Every check runs real training commands (``scripts/train.py``, one fresh process each) and reads
 their ``summary.json``. GPU checks: bf16-mixed and 16-mixed give more tokens/s than 32-true on the
 charlm GPT; the device-stats logger reads NVML (``stats/gpu_util_pct`` in the CSV log); ZeRO-2 with
 optimizer offload trains on CUDA to a finite loss. With ``--gpu`` and no CUDA device, every GPU check is
 listed as not run with the reason, and the exit code is 1 (nothing was verified).
+``--table`` also measures, in-process on the GPU, tokens/s and peak allocated memory of a 12-layer, 768-wide
+charlm GPT per precision (32-true, tf32, bf16-mixed, 16-mixed) x micro-batch (1, 2, 4, 8), with activation
+checkpointing, and under ZeRO stages 1/2/3 with and without offload; it prints the table, one verdict line
+per technique and the checks, and writes ``gpu_table.json`` + ``gpu_table.md`` (``--out``). Without a CUDA
+device it prints one line saying so and exits 1.
 Exit code: 0 when every check that ran passed and at least one ran; 1 otherwise.
 """
 from __future__ import annotations
@@ -153,16 +159,62 @@ def print_results(results: list[Result]) -> None:
     Console(soft_wrap=True).print(table)
 
 
+def no_cuda_line() -> str:
+    """The one line ``--gpu --table`` prints on a machine without a usable CUDA device."""
+    import torch
+
+    build = f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None else \
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no device"
+    return (f"selfcheck --gpu --table: no CUDA device (torch.cuda.is_available() is False; {build}); "
+            "nothing measured, run it on a machine with an NVIDIA GPU")
+
+
+def run_table(out_dir: Path, budget_s: float) -> int:
+    """Measure the GPU table, run the GPU checks, print both with the verdicts, write JSON + markdown."""
+    import time
+
+    from selfcheck_table import machine, measure_all
+
+    from lit_speed.reporting.gpu_table import plan_cells, verdicts, write_report
+
+    meta = machine()
+    print(" | ".join(f"{k}: {v}" for k, v in meta.items()), flush=True)
+    cells = measure_all(plan_cells(), deadline=time.monotonic() + budget_s,
+                        log=lambda line: print(line, flush=True))
+    results = run_checks(gpu=True, cuda_available=True)
+    lines = verdicts(cells)
+    json_path, md_path = write_report(out_dir, cells, lines, [vars(r) for r in results], meta)
+    print(md_path.read_text())
+    print_results(results)
+    print(f"written: {json_path} and {md_path}")
+    return exit_code(results)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="run the GPU-only checks (needs a CUDA device)")
+    parser.add_argument("--table", action="store_true", help="with --gpu: also measure the tokens/s and memory table")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "selfcheck_gpu",
+                        help="folder for gpu_table.json and gpu_table.md (--table)")
+    parser.add_argument("--budget-s", type=float, default=360.0,
+                        help="seconds for the table's cells (--table); the checks take ~3 more minutes")
     args = parser.parse_args(argv)
+    if args.table and not args.gpu:
+        parser.error("--table measures on a GPU: use it as --gpu --table")
     os.environ.setdefault("LIT_SPEED_ROOT", str(ROOT))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not args.gpu else os.environ.get("DS_ACCELERATOR", "cuda"))
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     import torch
 
+    from lit_speed.strategies.ds_accelerator import default_accelerator_name
+
+    # the subprocesses' default; ZeroStrategy picks the accelerator from the device at setup anyway
+    os.environ.setdefault("DS_ACCELERATOR", default_accelerator_name())
+    if args.table:
+        if not torch.cuda.is_available():
+            print(no_cuda_line(), file=sys.stderr)
+            return 1
+        return run_table(args.out, args.budget_s)
     results = run_checks(args.gpu, torch.cuda.is_available())
     print_results(results)
     code = exit_code(results)

@@ -67,3 +67,99 @@ def test_gpu_checks_pass_on_a_gpu() -> None:
     proc = subprocess.run([sys.executable, "scripts/selfcheck.py", "--gpu"], cwd=ROOT, capture_output=True, text=True,
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+# -- the --table report: pure parts (the measuring needs a GPU) -------------------------------------------------
+from lit_speed.reporting.gpu_table import Cell, plan_cells, verdicts, write_report  # noqa: E402
+
+GIB = 1024 ** 3
+
+
+def measured(tokens: dict, peak: dict, status: dict | None = None) -> list[Cell]:
+    """The planned cells with the given tokens/s and peak GiB per label (absent labels: not run)."""
+    cells = plan_cells()
+    for c in cells:
+        if c.label in tokens:
+            c.tokens_per_sec, c.peak_allocated_bytes, c.status = tokens[c.label], int(peak[c.label] * GIB), "ok"
+        c.status = (status or {}).get(c.label, c.status)
+    return cells
+
+
+def test_plan_puts_the_precision_grid_first_then_checkpointing_then_zero() -> None:
+    cells = plan_cells()
+    assert [c.group for c in cells] == ["precision"] * 16 + ["checkpointing"] + ["zero"] * 6
+    assert {(c.precision, c.micro_batch) for c in cells[:16]} == {
+        (p, m) for p in ("32-true", "tf32", "bf16-mixed", "16-mixed") for m in (1, 2, 4, 8)}
+    assert [c.label for c in cells[16:19]] == ["bf16-mixed, micro-batch 8, activation checkpointing",
+                                              "bf16-mixed, micro-batch 8, ZeRO-1",
+                                              "bf16-mixed, micro-batch 8, ZeRO-1 + offload"]
+
+
+def test_one_verdict_line_per_technique_with_ratios_against_its_baseline() -> None:
+    tokens = {"32-true, micro-batch 8": 10_000, "tf32, micro-batch 8": 20_000, "bf16-mixed, micro-batch 8": 40_000,
+              "16-mixed, micro-batch 8": 38_000, "bf16-mixed, micro-batch 1": 8_000,
+              "bf16-mixed, micro-batch 8, activation checkpointing": 30_000,
+              "bf16-mixed, micro-batch 8, ZeRO-2": 36_000, "bf16-mixed, micro-batch 8, ZeRO-2 + offload": 10_000}
+    peak = {"32-true, micro-batch 8": 8.0, "tf32, micro-batch 8": 8.0, "bf16-mixed, micro-batch 8": 6.0,
+            "16-mixed, micro-batch 8": 6.0, "bf16-mixed, micro-batch 1": 2.0,
+            "bf16-mixed, micro-batch 8, activation checkpointing": 3.0,
+            "bf16-mixed, micro-batch 8, ZeRO-2": 5.0, "bf16-mixed, micro-batch 8, ZeRO-2 + offload": 1.5}
+    lines = verdicts(measured(tokens, peak, {"bf16-mixed, micro-batch 8, ZeRO-3": "oom"}))
+    assert lines[:5] == [
+        "tf32: x2.00 tokens/s, peak memory x1.00 vs 32-true (micro-batch 8)",
+        "bf16-mixed: x4.00 tokens/s, peak memory x0.75 vs 32-true (micro-batch 8)",
+        "16-mixed: x3.80 tokens/s, peak memory x0.75 vs 32-true (micro-batch 8)",
+        "micro-batch 8: x5.00 tokens/s, peak memory x3.00 vs micro-batch 1 (bf16-mixed)",
+        "activation checkpointing: x0.75 tokens/s, peak memory x0.50 vs no checkpointing (bf16-mixed, micro-batch 8)"]
+    assert "ZeRO-2: x0.90 tokens/s, peak memory x0.83 vs no ZeRO (bf16-mixed, micro-batch 8)" in lines
+    assert "ZeRO-2 + offload: x0.25 tokens/s, peak memory x0.25 vs no ZeRO (bf16-mixed, micro-batch 8)" in lines
+    assert "ZeRO-3: no comparison (ZeRO-3 oom)" in lines
+    assert "ZeRO-1: no comparison (ZeRO-1 not run)" in lines
+    assert len(lines) == 3 + 1 + 1 + 6
+
+
+def test_precision_verdict_uses_the_largest_micro_batch_both_sides_fit() -> None:
+    tokens = {"32-true, micro-batch 4": 1000, "bf16-mixed, micro-batch 4": 3000, "bf16-mixed, micro-batch 8": 5000}
+    peak = {k: 1.0 for k in tokens}
+    lines = verdicts(measured(tokens, peak, {"32-true, micro-batch 8": "oom"}))
+    assert "bf16-mixed: x3.00 tokens/s, peak memory x1.00 vs 32-true (micro-batch 4)" in lines
+    assert "tf32: no comparison (tf32 not run)" in lines
+
+
+def test_report_is_written_as_json_and_markdown(tmp_path: Path) -> None:
+    import json
+
+    cells = measured({"32-true, micro-batch 1": 1234.5}, {"32-true, micro-batch 1": 1.5},
+                     {"16-mixed, micro-batch 8": "skipped: time budget spent"})
+    checks = [{"name": "NVML stats logged (stats/gpu_util_pct)", "status": "pass", "detail": "12 logged values"}]
+    meta = {"gpu": "NVIDIA H100 80GB HBM3 (79 GiB)", "commit": "abc123"}
+    json_path, md_path = write_report(tmp_path / "out", cells, ["bf16-mixed: x2.00"], checks, meta)
+    payload = json.loads(json_path.read_text())
+    assert payload["meta"] == meta and payload["checks"] == checks and payload["verdicts"] == ["bf16-mixed: x2.00"]
+    first = payload["cells"][0]
+    assert (first["label"], first["tokens_per_sec"], first["peak_allocated_bytes"]) == (
+        "32-true, micro-batch 1", 1234.5, int(1.5 * GIB))
+    md = md_path.read_text()
+    assert "gpu: NVIDIA H100 80GB HBM3 (79 GiB) | commit: abc123" in md
+    assert "| precision | 32-true, micro-batch 1 | 1,234 | 1.50 | ok |" in md
+    assert "| precision | 16-mixed, micro-batch 8 | - | - | skipped: time budget spent |" in md
+    assert "- bf16-mixed: x2.00" in md and "| NVML stats logged (stats/gpu_util_pct) | pass | 12 logged values |" in md
+
+
+def test_table_measuring_module_imports_and_feeds_whole_windows() -> None:
+    spec_t = importlib.util.spec_from_file_location("selfcheck_table", ROOT / "scripts" / "selfcheck_table.py")
+    table = importlib.util.module_from_spec(spec_t)
+    spec_t.loader.exec_module(table)
+    x, y = table.RandomTokens(batches=2, micro_batch=4)[1]
+    assert x.shape == y.shape == (4, table.BLOCK) and torch.equal(x[:, 1:], y[:, :-1])
+    assert int(x.max()) < table.VOCAB
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour on a machine without CUDA")
+def test_gpu_table_on_cpu_machine_says_so_in_one_line_and_exits_1() -> None:
+    proc = subprocess.run([sys.executable, "scripts/selfcheck.py", "--gpu", "--table"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device (torch.cuda.is_available() is False" in lines[0], proc.stderr
