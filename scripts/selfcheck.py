@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", action="store_true", help="with --gpu: also measure the tokens/s and memory table")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "selfcheck_gpu",
                         help="folder for gpu_table.json and gpu_table.md (--table)")
-    parser.add_argument("--budget-s", type=float, default=360.0,
+    parser.add_argument("--budget-s", type=float, default=300.0,
                         help="seconds for the table's cells (--table); the checks take ~3 more minutes")
     args = parser.parse_args(argv)
     if args.table and not args.gpu:
