@@ -50,8 +50,10 @@ try:
     error = None
 except Exception as exc:  # no CUDA device on this machine: set_device fails after the choice
     error = type(exc).__name__
+import deepspeed.runtime.utils as ds_utils
 print(json.dumps({{"at_import": at_import, "at_setup": get_accelerator().device_name(),
                    "class": type(get_accelerator()).__name__, "env": os.environ["DS_ACCELERATOR"],
+                   "utils_bound": ds_utils.torch_memory_reserved.__self__ is get_accelerator(),
                    "error": error}}))
 """
 
@@ -75,6 +77,7 @@ def test_cuda_setup_switches_deepspeed_from_the_cpu_accelerator_fixed_at_import(
     out = _run(CPU_AT_IMPORT_CUDA_SETUP.format(root=str(ROOT)), "cpu")
     assert out["at_import"] == "cpu"
     assert (out["at_setup"], out["class"], out["env"]) == ("cuda", "CUDA_Accelerator", "cuda")
+    assert out["utils_bound"]  # DeepSpeed's import-time memory readers follow the switch too
 
 
 def test_unknown_accelerator_name_is_refused() -> None:
