@@ -118,15 +118,25 @@ def preflight(argv: list[str], config_name: str = "train", config_dir: Path = CO
     Only plain overrides are checked (``hydra.*`` settings and flags are Hydra's own business).
     """
     overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
+    from lit_speed.run_checks import check_config  # it imports ConfigError from here
+
+    firsts = []
+    for override in overrides:
+        try:
+            firsts.append(_first_value(override))
+        except HydraException as error:  # unbalanced brackets or quotes: the override does not parse
+            reason = " ".join(str(error).split())
+            raise ConfigError(f"{override}: not a valid override ({reason[:160]}). Fix: balance its brackets and "
+                              "quotes, e.g. key=[1,2] or key='a b'") from None
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         try:
-            firsts = [_first_value(o) for o in overrides]
             cfg = compose(config_name=config_name, overrides=firsts)
         except (HydraException, OmegaConfBaseException, ValueError) as error:
             original = str(error).strip()
         else:
             check_trainer_types(cfg)
+            check_config(cfg)
             return cfg
         # find the override to blame: the first whose removal makes composition succeed
         for i, override in enumerate(firsts):

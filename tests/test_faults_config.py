@@ -44,12 +44,37 @@ CASES = {
     "incompatible_fp16_zero_cpu": (["precision=16-mixed", "strategy=zero2"],
                                    r"precision='16-mixed' is not supported by DeepSpeed on the CPU.*use precision=",
                                    True),
-    "incompatible_offload_torch_optimizer": (["strategy=zero2_offload"],
+    "incompatible_offload_torch_optimizer": (["strategy=zero2_offload", "optimizer=adamw"],
                                              r"offload_optimizer=True needs an optimizer that runs on CPU.*got AdamW"
                                              r".*optimizer=cpu_adam", True),
     "incompatible_auto_micro_batch_without_budget": (["accumulation=ramp", "accumulation.micro_batch=auto"],
                                                      r"accumulation\.micro_batch='auto' needs .*memory_budget_mb",
                                                      True),
+    # issue 17: every command line a new user tried that ended in a traceback, a hang or silence
+    "data_without_its_model": (["data=charlm"], r"does not fit model=mlp.*Fix: .*experiment=charlm_cpu", False),
+    "model_without_its_data": (["model=gpt"], r"does not fit model=gpt.*Fix: data=digits model=mlp", False),
+    "curriculum_data_without_its_model": (["data=charlm_curriculum"], r"does not fit model=mlp", True),
+    "lr_not_a_number": (["optimizer.lr=abc"], r"optimizer\.lr='abc': expected a number.*Fix", True),
+    "lr_infinite": (["optimizer.lr=inf"], r"optimizer\.lr=inf: must be finite\. Fix", True),
+    "lr_zero": (["optimizer.lr=0"], r"optimizer\.lr=0: the model would not train.*Fix", True),
+    "one_beta": (["optimizer.betas=[0.9]"], r"optimizer\.betas=\[0\.9\]: needs two numbers.*Fix", True),
+    "unbalanced_bracket": (["trainer.max_steps=[1,2"], r"not a valid override.*Fix: balance its brackets", True),
+    "folder_as_checkpoint": ([f"ckpt_path={DAMAGED.parent}"], r"is a folder, not a checkpoint\. Fix", True),
+    "val_check_interval_zero": (["trainer.val_check_interval=0"], r"trainer\.val_check_interval=0: .*Fix", True),
+    "check_val_every_zero": (["trainer.check_val_every_n_epoch=0"], r"check_val_every_n_epoch=0: must be >= 1", True),
+    "unknown_monitor": (["monitor=val/nonexistent"], r"monitor=val/nonexistent: the model does not log it.*Fix",
+                        True),
+    "negative_clip": (["trainer.gradient_clip_val=-1"], r"gradient_clip_val=-1: a negative clip value.*Fix", True),
+    "gpt_without_layers": (["experiment=charlm_cpu", "model.n_layer=0"], r"must be >= 1, got n_layer=0.*Fix", True),
+    "no_training_batches": (["trainer.limit_train_batches=0"], r"limit_train_batches=0: the run would make no", True),
+    "no_steps": (["trainer.max_steps=0"], r"trainer\.max_steps=0: the run would make no optimizer step", True),
+    "accumulation_beyond_the_epoch": (["accumulation=fixed", "accumulation.factors=[[0,100000]]"],
+                                      r"accumulation factor 100000 > the 23 training batches of an epoch.*Fix", True),
+    "validation_never_reached": (["trainer.val_check_interval=100000", "trainer.check_val_every_n_epoch=null"],
+                                 r"val_check_interval=100000 > the 23 training batches.*never be validated", True),
+    "block_size_beyond_memory": (["experiment=charlm_cpu", "data.block_size=100000"],
+                                 r"data\.block_size=100000 x data\.batch_size=12: activations need about .* GiB "
+                                 r"\(planner estimate\)", True),
 }
 
 
