@@ -46,15 +46,20 @@ def planned_training_batches(max_steps: int, max_epochs: int | None, batches_per
 class RunPlanCheck(Callback):
     """Refuse, before training, a run that makes no full optimizer step or never validates its monitored metric.
 
+    A run that validates only after fit (``validate=true``) is told so in one warning; with ``validate=false`` the
+    metric would never be computed, and the run is refused.
+
     Args:
         monitor: The metric checkpoints, early stopping and the summary follow (``val/acc``, ``val/loss``).
+        final_validation: Whether the runner validates once after fit (``validate`` in ``conf/train.yaml``).
 
     Raises:
         ConfigError: (from the hooks) naming the setting and the fix.
     """
 
-    def __init__(self, monitor: str | None) -> None:
+    def __init__(self, monitor: str | None, final_validation: bool = True) -> None:
         self.monitor = monitor
+        self.final_validation = final_validation
         self._checked_metrics = False
 
     @override
@@ -74,14 +79,20 @@ class RunPlanCheck(Callback):
         total = planned_training_batches(trainer.max_steps, trainer.max_epochs, per_epoch, factor)
         every_n = trainer.check_val_every_n_epoch
         if every_n is None and isinstance(trainer.val_check_interval, int) and trainer.val_check_interval > total:
-            raise ConfigError(f"trainer.val_check_interval={trainer.val_check_interval} > the {int(total)} training "
-                              f"batches of this run: {self.monitor} would never be validated during fit. "
-                              f"Fix: trainer.val_check_interval=<at most {int(total)}>")
+            self._never_validated(f"trainer.val_check_interval={trainer.val_check_interval} > the {int(total)} "
+                                  "training batches of this run", f"trainer.val_check_interval=<at most {int(total)}>")
         if every_n is not None and trainer.max_epochs is not None and 0 < trainer.max_epochs < every_n \
                 and trainer.max_steps in (-1, None):
-            raise ConfigError(f"trainer.check_val_every_n_epoch={every_n} > trainer.max_epochs={trainer.max_epochs}: "
-                              f"{self.monitor} would never be validated during fit. "
-                              f"Fix: trainer.check_val_every_n_epoch=<at most {trainer.max_epochs}>")
+            self._never_validated(f"trainer.check_val_every_n_epoch={every_n} > trainer.max_epochs="
+                                  f"{trainer.max_epochs}", f"trainer.check_val_every_n_epoch=<at most "
+                                  f"{trainer.max_epochs}>")
+
+    def _never_validated(self, why: str, fix: str) -> None:
+        if not self.final_validation:
+            raise ConfigError(f"{why}: {self.monitor} would never be validated (validate=false). Fix: {fix}, "
+                              "or validate=true")
+        rank_zero_warn(f"{why}: {self.monitor} is validated only once, after fit (no validation, no best "
+                       f"checkpoint during fit). Fix: {fix}")
 
     @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

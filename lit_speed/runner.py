@@ -68,7 +68,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
     callbacks = _instantiate_group(cfg.get("callbacks")) + _instantiate_group(cfg.get("accumulation"))
     run_summary = RunSummary(monitor=cfg.monitor, mode=cfg.monitor_mode)
-    callbacks += [run_summary, RunPlanCheck(monitor=cfg.monitor)]
+    callbacks += [run_summary, RunPlanCheck(monitor=cfg.monitor, final_validation=bool(cfg.get("validate")))]
     loggers = _instantiate_group(cfg.get("logger"))
     if not loggers:
         dropped = [cb for cb in callbacks if isinstance(cb, pl.callbacks.LearningRateMonitor)]

@@ -6,8 +6,10 @@ cases through the real entry point (exit code 2, one ``Config error:`` line).
 """
 from __future__ import annotations
 
-import torch
+import json
+
 import pytest
+import torch
 
 from lit_speed.config_check import ConfigError, preflight
 from lit_speed.models.gpt import GPTModule
@@ -107,6 +109,14 @@ def test_run_plan_is_refused_before_the_first_training_batch(make_cfg, tmp_path,
     assert not (tmp_path / "checkpoints").exists(), "a training step ran"
 
 
+def test_validation_only_after_fit_is_said_before_the_run_and_the_run_goes_on(make_cfg):
+    overrides = [*SHORT, "trainer.val_check_interval=100000", "trainer.check_val_every_n_epoch=null", "validate=true"]
+    with pytest.warns(UserWarning, match=r"trainer\.val_check_interval=100000 > the 2 training batches of this run: "
+                                         r"val/acc is validated only once, after fit.*Fix: "):
+        summary = train(make_cfg(overrides))
+    assert summary["global_step"] == 2 and "val/acc" in summary["final_val"]
+
+
 def test_gpt_with_no_layers_is_refused(make_cfg):
     with pytest.raises(ConfigError, match=r"model\.n_layer, n_head, n_embd and block_size must be >= 1, got "
                                           r"n_layer=0.*Fix: model\.n_layer="):
@@ -144,3 +154,16 @@ def test_resume_with_another_optimizer_names_what_does_not_match(make_cfg, adamw
         train(make_cfg([*SHORT, "optimizer=sgd", f"ckpt_path={adamw_checkpoint}"]))
     summary = train(make_cfg([*SHORT, "trainer.max_epochs=2", f"ckpt_path={adamw_checkpoint}"]))  # same: resumes
     assert summary["global_step"] == 4
+
+
+@pytest.mark.slow  # the first use JIT-builds DeepSpeed's CPU Adam (~2 min, then cached)
+def test_offload_option_alone_runs_with_cpu_adam(tmp_path):
+    from tests.conftest import run_train_script
+
+    result = run_train_script(["strategy=zero2_offload", "trainer.fast_dev_run=true", f"hydra.run.dir={tmp_path}"],
+                              timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["global_step"] == 1
+    assert summary["config"]["optimizer"]["_target_"] == "lit_speed.strategies.cpu_adam.CPUAdam"
+    assert summary["startup"]["zero"].startswith("stage 2, offload: optimizer")

@@ -70,7 +70,8 @@ CASES = {
     "no_steps": (["trainer.max_steps=0"], r"trainer\.max_steps=0: the run would make no optimizer step", True),
     "accumulation_beyond_the_epoch": (["accumulation=fixed", "accumulation.factors=[[0,100000]]"],
                                       r"accumulation factor 100000 > the 23 training batches of an epoch.*Fix", True),
-    "validation_never_reached": (["trainer.val_check_interval=100000", "trainer.check_val_every_n_epoch=null"],
+    "validation_never_reached": (["trainer.val_check_interval=100000", "trainer.check_val_every_n_epoch=null",
+                                  "validate=false"],
                                  r"val_check_interval=100000 > the 23 training batches.*never be validated", True),
     "block_size_beyond_memory": (["experiment=charlm_cpu", "data.block_size=100000"],
                                  r"data\.block_size=100000 x data\.batch_size=12: activations need about .* GiB "

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -59,8 +58,9 @@ def test_optuna_multirun_writes_its_sweep_report(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "optimization_results.yaml").exists()  # the sweeper's own result
     rows = _sweep_rows(tmp_path)
-    assert len(rows) == 2
-    assert "sweep_report" in (tmp_path / "sweep_report.md").read_text() or (tmp_path / "sweep_report.md").stat().st_size
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert all("optimizer.lr=" in r["variation"] and r["monitor"] == "val/acc" and r["final_val"] for r in rows)
+    assert "2 job(s), 0 failed." in (tmp_path / "sweep_report.md").read_text()
     assert {json.loads((tmp_path / str(i) / "summary.json").read_text())["global_step"] for i in range(2)} == {4}
 
 
@@ -70,6 +70,7 @@ def test_submitit_local_multirun_writes_its_sweep_report(tmp_path):
                              "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}", *TINY], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _sweep_rows(tmp_path)
-    assert len(rows) == 2
+    assert [(r["variation"], r["status"]) for r in rows] == [("optimizer.lr=0.001", "ok"), ("optimizer.lr=0.003", "ok")]
+    assert "2 job(s), 0 failed." in (tmp_path / "sweep_report.md").read_text()
     lrs = {json.loads((tmp_path / str(i) / "summary.json").read_text())["config"]["optimizer"]["lr"] for i in range(2)}
     assert lrs == {1e-3, 3e-3}
