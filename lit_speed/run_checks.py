@@ -111,6 +111,9 @@ def check_trainer(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Every config-only check; raises :class:`ConfigError` on the first failure."""
     check_data_model(cfg)
+    seed = cfg.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"seed={seed!r}: expected an integer or null. Fix: seed=42 (or seed=null for no seeding)")
     check_optimizer(cfg)
     check_trainer(cfg)
     check_checkpoint_path(cfg.get("ckpt_path"))

@@ -77,7 +77,21 @@ PREFLIGHT_CASES = {
     "trainer.max_steps=0": r"trainer\.max_steps=0: the run would make no optimizer step\. Fix: trainer\.max_steps=-1",
     "trainer.max_epochs=0": r"trainer\.max_epochs=0: the run would make no optimizer step\. Fix",
     "trainer.limit_train_batches=0": r"trainer\.limit_train_batches=0: the run would make no optimizer step\. Fix",
+    "data.batch_size=abc": r"data\.batch_size='abc': DigitsDataModule expects int, got str\. Fix: data\.batch_size=",
+    "model.hidden=abc": r"model\.hidden='abc': MLPClassifier expects int, got str\. Fix: model\.hidden=",
+    "seed=abc": r"seed='abc': expected an integer or null\. Fix: seed=42",
 }
+
+
+GROUPS = ["optimizer", "precision", "strategy", "accumulation", "callbacks", "logger", "trainer", "experiment", "debug",
+          "hparams_search"]
+VALID = [[f"data={d}", f"model={m}"] for d, m in MATCHING.items()] + [
+    [f"{g}={p.stem}"] for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("overrides", VALID, ids=" ".join)
+def test_every_shipped_option_passes_the_checks(overrides):
+    preflight(overrides)  # no false refusal: each option of conf/ (data with its model) is accepted
 
 
 @pytest.mark.parametrize("override", list(PREFLIGHT_CASES))
