@@ -93,14 +93,18 @@ def _describe_annotation(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def check_trainer_types(cfg: DictConfig) -> None:
-    """Refuse ``trainer.*`` values whose type ``lightning.Trainer`` does not accept (``max_epochs=abc``)."""
-    node = cfg.get("trainer")
+def check_trainer_types(cfg: DictConfig, group: str = "trainer") -> None:
+    """Refuse ``<group>.*`` values whose type the ``_target_``'s constructor does not accept (``max_epochs=abc``)."""
+    node = OmegaConf.select(cfg, group)
     if not isinstance(node, DictConfig) or "_target_" not in node:
         return
     import hydra.utils
 
-    hints = typing.get_type_hints(hydra.utils.get_class(node._target_).__init__)
+    try:
+        hints = typing.get_type_hints(hydra.utils.get_class(node._target_).__init__)
+    except Exception:  # an unimportable target or unresolvable hints: instantiation reports it
+        return
+    owner = "Trainer" if group == "trainer" else node._target_.rsplit(".", 1)[-1]
     for key in node:
         if key == "_target_" or key not in hints or OmegaConf.is_interpolation(node, key):
             continue
@@ -108,8 +112,8 @@ def check_trainer_types(cfg: DictConfig) -> None:
         if isinstance(value, dict) and "_target_" in value:
             continue  # an object Hydra builds (a timedelta, a profiler): its constructor checks it
         if not value_matches(value, hints[key]):
-            raise ConfigError(f"trainer.{key}={value!r}: Trainer expects {_describe_annotation(hints[key])}, "
-                              f"got {type(value).__name__}. Fix: trainer.{key}=<a value of that type>")
+            raise ConfigError(f"{group}.{key}={value!r}: {owner} expects {_describe_annotation(hints[key])}, "
+                              f"got {type(value).__name__}. Fix: {group}.{key}=<a value of that type>")
 
 
 def preflight(argv: list[str], config_name: str = "train", config_dir: Path = CONFIG_DIR) -> DictConfig:
@@ -118,15 +122,26 @@ def preflight(argv: list[str], config_name: str = "train", config_dir: Path = CO
     Only plain overrides are checked (``hydra.*`` settings and flags are Hydra's own business).
     """
     overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
+    from lit_speed.run_checks import check_config  # it imports ConfigError from here
+
+    firsts = []
+    for override in overrides:
+        try:
+            firsts.append(_first_value(override))
+        except HydraException as error:  # unbalanced brackets or quotes: the override does not parse
+            reason = " ".join(str(error).split())
+            raise ConfigError(f"{override}: not a valid override ({reason[:160]}). Fix: balance its brackets and "
+                              "quotes, e.g. key=[1,2] or key='a b'") from None
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         try:
-            firsts = [_first_value(o) for o in overrides]
             cfg = compose(config_name=config_name, overrides=firsts)
         except (HydraException, OmegaConfBaseException, ValueError) as error:
             original = str(error).strip()
         else:
-            check_trainer_types(cfg)
+            for group in ("trainer", "data", "data.datamodule", "model"):
+                check_trainer_types(cfg, group)
+            check_config(cfg)
             return cfg
         # find the override to blame: the first whose removal makes composition succeed
         for i, override in enumerate(firsts):

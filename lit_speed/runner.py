@@ -22,6 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from lit_speed.config_check import ConfigError
 
 from lit_speed.checkpointing.resume import resolve_ckpt_path
+from lit_speed.run_checks import check_activation_memory, check_checkpoint_matches, check_config
+from lit_speed.run_plan_check import RunPlanCheck
 from lit_speed.run_summary import RunSummary
 from lit_speed.tables import print_table
 
@@ -66,7 +68,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
     callbacks = _instantiate_group(cfg.get("callbacks")) + _instantiate_group(cfg.get("accumulation"))
     run_summary = RunSummary(monitor=cfg.monitor, mode=cfg.monitor_mode)
-    callbacks.append(run_summary)
+    callbacks += [run_summary, RunPlanCheck(monitor=cfg.monitor, final_validation=bool(cfg.get("validate")))]
     loggers = _instantiate_group(cfg.get("logger"))
     if not loggers:
         dropped = [cb for cb in callbacks if isinstance(cb, pl.callbacks.LearningRateMonitor)]
@@ -77,7 +79,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=plugins or None, **trainer_kwargs
     )
     return {"datamodule": datamodule, "model": model, "trainer": trainer, "run_summary": run_summary,
-            "callbacks": callbacks, "loggers": loggers, "plugins": plugins}
+            "callbacks": callbacks, "loggers": loggers, "plugins": plugins, "optimizer": optimizer}
 
 
 def _describe(obj: Any) -> dict[str, str]:
@@ -141,6 +143,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict."""
     t0 = time.perf_counter()
     with _refusals_as_config_errors(lambda: True):
+        check_config(cfg)  # the config alone: before anything is built
+        check_activation_memory(cfg)  # probes a short-context copy of the model
         parts = build(cfg)
         trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
         rows = startup_rows(cfg, parts)
@@ -150,7 +154,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # once a training batch has run, errors propagate unchanged, with their traceback
     with _refusals_as_config_errors(lambda: parts["run_summary"].samples == 0):
         # ckpt_path=last -> the newest checkpoint that verifies (damaged ones are skipped with a warning)
-        trainer.fit(model, datamodule=dm, ckpt_path=resolve_ckpt_path(cfg.get("ckpt_path"), trainer))
+        ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), trainer)
+        check_checkpoint_matches(ckpt_path, model, parts["optimizer"])
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     summary = parts["run_summary"].summary(trainer)
     if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run:
         val = trainer.validate(model, datamodule=dm, verbose=False)

@@ -38,6 +38,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    from lit_speed.launch_env import share_run_time
+
+    share_run_time()  # under torchrun: one run folder for all ranks (rank 0's time stamp)
     try:
         preflight(sys.argv[1:])
     except ConfigError as error:

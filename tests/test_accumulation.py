@@ -213,3 +213,19 @@ def test_hydra_ramp_option_trains_through_the_runner(make_cfg):
     # steps 0-3 at 64 x 1, then the linear ramp reaches 128 = 64 x 2 at step 4
     assert component["factor"] == 2 and component["micro_batch"] == 64
     assert "linear ramp" in summary["startup"]["accumulation"]
+
+
+def test_tokens_unit_counts_only_non_padding_targets_and_keeps_the_large_batch_update():
+    """A schedule keyed by tokens counts what the loss averages over: targets != ignore_index, not padded slots."""
+    module, data = TinyTokenLM(), token_data(32)
+    real_tokens = int((data.tensors[1] != -100).sum())  # 32 x 10 slots, about half of them padding
+    assert real_tokens < data.tensors[1].numel()
+    reference = update(module, DataLoader(data, batch_size=32), max_steps=1)
+    # one window of 4 padded micro-batches; the factor would drop to 2 after one more real token than it holds
+    callback = AccumulationScheduler(factors={0: 4, real_tokens + 1: 2}, unit="tokens", normalize="tokens")
+    module_copy = copy.deepcopy(module)
+    before = flat_params(module_copy)
+    fit(module_copy, DataLoader(data, batch_size=8), [callback], max_steps=1)
+    assert rel_err(flat_params(module_copy) - before, reference) <= TOL
+    assert callback.final_summary()["tokens_seen"] == real_tokens
+    assert callback.current_factor == 4  # counting the 320 padded slots would have switched it to 2

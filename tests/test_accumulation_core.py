@@ -71,7 +71,8 @@ def test_count_items_samples_tokens_and_micro_batches():
     assert count_items((x, y), "tokens") == 7
     assert count_items({"input_ids": x, "labels": y}, "tokens") == 7
     assert count_items((x, y), "micro_batch") == 1
-    assert count_tokens((x, y)) == 15
+    assert count_tokens((x, y)) == 7  # padding (ignore_index) is not a token
+    assert count_tokens((x, y), ignore_index=1) == 9
     with pytest.raises(ValueError, match=r"normalize='tokens' needs the targets in batch\[labels"):
         count_items({"input_ids": x}, "tokens")
     with pytest.raises(ValueError, match=r"got a torch.float32 target tensor; use normalize='samples'"):

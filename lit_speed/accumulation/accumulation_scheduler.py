@@ -263,7 +263,7 @@ class AccumulationScheduler(Callback):
             # counted before the run: the window's last run reaches on_before_optimizer_step
             self._window[0] += items
             self._window[1] += batch_samples(piece)
-            self._window[2] += count_tokens(piece)
+            self._window[2] += count_tokens(piece, self.ignore_index)
             kwargs["batch"] = piece
             output = run(optimizer, batch_idx, kwargs)
         kwargs["batch"] = batch

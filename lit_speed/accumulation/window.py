@@ -72,13 +72,18 @@ def count_items(batch: Any, normalize: str, ignore_index: int = -100) -> int:
     return int((targets != ignore_index).sum())
 
 
-def count_tokens(batch: Any) -> int:
-    """Token positions in a batch whose targets are an integer (B, T) tensor, else 0 (for schedules keyed by tokens)."""
+def count_tokens(batch: Any, ignore_index: int = -100) -> int:
+    """Non-padding tokens of a batch whose targets are an integer (B, T) tensor, else 0 (for schedules keyed by tokens).
+
+    Positions whose target is ``ignore_index`` are padding: the loss skips them, so they are not counted.
+    """
     try:
         targets = batch_targets(batch)
     except ValueError:
         return 0
-    return int(targets.numel()) if targets.dim() >= 2 and not targets.is_floating_point() else 0
+    if targets.dim() < 2 or targets.is_floating_point():
+        return 0
+    return int((targets != ignore_index).sum())
 
 
 def split_batch(batch: Any, pieces: int) -> list[Any]:

@@ -118,6 +118,9 @@ class GPTModule(pl.LightningModule):
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None, weight_decay: float = 0.1) -> None:
         super().__init__()
+        if min(n_layer, n_head, n_embd, block_size) < 1:
+            raise ValueError(f"model.n_layer, n_head, n_embd and block_size must be >= 1, got n_layer={n_layer}, "
+                             f"n_head={n_head}, n_embd={n_embd}, block_size={block_size}. Fix: model.n_layer=4")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias)
         self.optimizer_factory = optimizer

@@ -1,0 +1,38 @@
+"""One run folder for every process of a ``torchrun`` launch: rank 0 picks the time stamp, the others are told.
+
+Hydra resolves ``${now:...}`` in ``hydra.run.dir`` in each process on its own, so ranks started a second apart
+write to different folders. Lightning's own launcher avoids this by passing ``hydra.run.dir=<rank 0's folder>``
+to the processes it starts; under ``torchrun`` no process starts the others, so rank 0 publishes its time stamp
+through the store torchrun's agent already runs for the workers (``TORCHELASTIC_USE_AGENT_STORE``), and every
+rank reads it into ``LIT_SPEED_RUN_TIME``, which ``conf/hydra/default.yaml`` uses instead of ``${now:...}``.
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+
+RUN_TIME_ENV = "LIT_SPEED_RUN_TIME"
+RUN_TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # the pattern of ${now:...} in conf/hydra/default.yaml
+
+
+def share_run_time(timeout_s: float = 120.0) -> str | None:
+    """Under ``torchrun`` with more than one process, set ``LIT_SPEED_RUN_TIME`` to rank 0's time stamp.
+
+    Returns:
+        The shared time stamp, or ``None`` when not launched by ``torchrun`` (or already set).
+    """
+    env = os.environ
+    if RUN_TIME_ENV in env or "TORCHELASTIC_RUN_ID" not in env or int(env.get("WORLD_SIZE", "1")) < 2:
+        return env.get(RUN_TIME_ENV)
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None  # no store to share through before the process group exists: Hydra's own ${now:...}
+    from torch.distributed import TCPStore
+
+    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                     timeout=timedelta(seconds=timeout_s))
+    key = f"lit_speed/run_time/{env['TORCHELASTIC_RUN_ID']}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if int(env["RANK"]) == 0:
+        store.set(key, datetime.now().strftime(RUN_TIME_FORMAT))
+    stamp = store.get(key).decode()  # blocks until rank 0 has set it
+    env[RUN_TIME_ENV] = stamp
+    return stamp

@@ -1,0 +1,200 @@
+"""Refuse a composed config that cannot train, before anything is built: each refusal names the setting and the fix.
+
+:func:`check_config` reads only the config (cheap: it runs before the model, the data or the Trainer exist).
+:func:`check_activation_memory` and :func:`check_checkpoint_matches` need the built model and run before
+``fit``; :class:`~lit_speed.run_plan_check.RunPlanCheck` checks what only the Trainer knows (batches per epoch).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lit_speed.config_check import ConfigError
+
+# which model each DataModule feeds; a curriculum wraps another DataModule (conf/data/*_curriculum.yaml)
+DATA_MODEL = {"DigitsDataModule": ("mlp", "MLPClassifier", "data=digits model=mlp"),
+              "CharLMDataModule": ("gpt", "GPTModule", "experiment=charlm_cpu (data=charlm model=gpt)")}
+
+
+def _short(target: Any) -> str:
+    return str(target).rsplit(".", 1)[-1]
+
+
+def _data_class(data: DictConfig) -> str:
+    inner = data.get("datamodule")
+    if isinstance(inner, DictConfig) and "_target_" in inner:
+        return _short(inner._target_)
+    return _short(data.get("_target_", ""))
+
+
+def check_data_model(cfg: DictConfig, data_choice: str = "data", model_choice: str = "model") -> None:
+    """Refuse a data option and a model option that cannot work together (token ids into the MLP, digits into GPT).
+
+    Raises:
+        ConfigError: Naming both options and the command line that runs a matching pair.
+    """
+    data, model = cfg.get("data"), cfg.get("model")
+    if not isinstance(data, DictConfig) or not isinstance(model, DictConfig):
+        return
+    data_cls, model_cls = _data_class(data), _short(model.get("_target_", ""))
+    wanted = DATA_MODEL.get(data_cls)
+    if wanted is None or model_cls not in {m for _, m, _ in DATA_MODEL.values()} or wanted[1] == model_cls:
+        return
+    option = next(o for o, m, _ in DATA_MODEL.values() if m == model_cls)
+    fixes = [fix for _, _, fix in DATA_MODEL.values()]
+    raise ConfigError(f"{data_choice} ({data_cls}) does not fit model={option} ({model_cls}): {data_cls} feeds "
+                      f"model={wanted[0]}. Fix: {', or '.join(fixes)}")
+
+
+def _number(node: DictConfig, key: str, where: str) -> float | None:
+    if key not in node or node[key] is None:
+        return None
+    value = node[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}.{key}={value!r}: expected a number, got {type(value).__name__}. "
+                          f"Fix: {where}.{key}=<a number>")
+    if not math.isfinite(value):
+        raise ConfigError(f"{where}.{key}={value}: must be finite. Fix: {where}.{key}=<a finite number>")
+    return float(value)
+
+
+def check_optimizer(cfg: DictConfig) -> None:
+    """lr > 0, 0 <= betas < 1 (two of them), eps > 0, weight_decay >= 0, momentum >= 0, each a finite number."""
+    node = cfg.get("optimizer")
+    if not isinstance(node, DictConfig):
+        return
+    lr = _number(node, "lr", "optimizer")
+    if lr is not None and lr <= 0:
+        raise ConfigError(f"optimizer.lr={node.lr}: the model would not train (lr must be > 0). "
+                          "Fix: optimizer.lr=1e-3 (or another positive value)")
+    for key, low in (("eps", None), ("weight_decay", 0.0), ("momentum", 0.0)):
+        value = _number(node, key, "optimizer")
+        if value is not None and (value < 0 if low == 0.0 else value <= 0):
+            raise ConfigError(f"optimizer.{key}={node[key]}: must be {'>= 0' if low == 0.0 else '> 0'}. "
+                              f"Fix: optimizer.{key}=<a {'non-negative' if low == 0.0 else 'positive'} number>")
+    if "betas" in node and node.betas is not None:
+        betas = OmegaConf.to_object(node.betas) if OmegaConf.is_list(node.betas) else node.betas
+        if (not isinstance(betas, list) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+            raise ConfigError(f"optimizer.betas={betas!r}: needs two numbers in [0, 1). Fix: optimizer.betas=[0.9,0.99]")
+
+
+def _positive(trainer: DictConfig, key: str, fix: str, allow_zero: bool = False) -> None:
+    value = _number(trainer, key, "trainer")
+    if value is not None and (value < 0 if allow_zero else value <= 0):
+        raise ConfigError(f"trainer.{key}={trainer[key]}: {fix}")
+
+
+def check_trainer(cfg: DictConfig) -> None:
+    """Values the Trainer accepts but that divide by zero, clip nothing, or make no optimizer step."""
+    trainer = cfg.get("trainer")
+    if not isinstance(trainer, DictConfig):
+        return
+    _positive(trainer, "gradient_clip_val", "a negative clip value clips nothing. "
+              "Fix: trainer.gradient_clip_val=1.0 (or null for no clipping)", allow_zero=True)
+    _positive(trainer, "val_check_interval", "validation every 0 batches is undefined. "
+              "Fix: trainer.val_check_interval=<batches >= 1, or a fraction of an epoch in (0, 1]>")
+    _positive(trainer, "check_val_every_n_epoch", "must be >= 1. "
+              "Fix: trainer.check_val_every_n_epoch=1 (or null to validate by trainer.val_check_interval)")
+    for key in ("max_steps", "max_epochs", "limit_train_batches"):
+        if trainer.get(key) == 0 and not isinstance(trainer.get(key), bool):
+            fix = {"max_steps": "trainer.max_steps=-1 (no step limit) or >= 1",
+                   "max_epochs": "trainer.max_epochs=1 or more",
+                   "limit_train_batches": "trainer.limit_train_batches=1.0 (all batches) or >= 1"}[key]
+            raise ConfigError(f"trainer.{key}=0: the run would make no optimizer step. Fix: {fix}")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Every config-only check; raises :class:`ConfigError` on the first failure."""
+    check_data_model(cfg)
+    seed = cfg.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"seed={seed!r}: expected an integer or null. Fix: seed=42 (or seed=null for no seeding)")
+    check_optimizer(cfg)
+    check_trainer(cfg)
+    check_checkpoint_path(cfg.get("ckpt_path"))
+
+
+def check_checkpoint_path(ckpt_path: Any) -> None:
+    """A folder is a checkpoint only when DeepSpeed wrote it (``latest``, a ``checkpoint`` folder or ``.pt`` files)."""
+    if ckpt_path is None or not isinstance(ckpt_path, str) or "://" in ckpt_path:
+        return
+    path = Path(ckpt_path)
+    if path.is_dir() and not ((path / "latest").exists() or (path / "checkpoint").is_dir() or any(path.glob("*.pt"))):
+        raise ConfigError(f"ckpt_path={ckpt_path}: is a folder, not a checkpoint. Fix: pass a .ckpt file "
+                          f"(e.g. ckpt_path={path / 'checkpoints' / 'last.ckpt'}), or ckpt_path=last")
+
+
+def _param_group_keys(optimizer_factory: Any) -> set[str]:
+    probe = torch.nn.Parameter(torch.zeros(1))
+    return set(optimizer_factory([probe]).param_groups[0]) - {"params"}
+
+
+def check_checkpoint_matches(ckpt_path: Any, model: torch.nn.Module, optimizer_factory: Any = None) -> None:
+    """Refuse resuming a checkpoint written by another model or optimizer, naming what does not match.
+
+    DeepSpeed's sharded folders are left to DeepSpeed; only single-file Lightning checkpoints are read.
+    """
+    if ckpt_path is None or not Path(str(ckpt_path)).is_file():
+        return
+    checkpoint = torch.load(str(ckpt_path), map_location="cpu", weights_only=False, mmap=True)
+    saved = checkpoint.get("state_dict", {})
+    mine = model.state_dict()
+    missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    reshaped = [k for k in set(mine) & set(saved) if tuple(mine[k].shape) != tuple(saved[k].shape)]
+    if missing or unexpected or reshaped:
+        what = (f"{len(missing)} of this model's tensors are missing (e.g. {missing[0]})" if missing else
+                f"it holds {len(unexpected)} tensors this model lacks (e.g. {unexpected[0]})" if unexpected else
+                f"{reshaped[0]} is {tuple(saved[reshaped[0]].shape)} there, {tuple(mine[reshaped[0]].shape)} here")
+        raise ConfigError(f"ckpt_path={ckpt_path}: written by another model ({what}); {type(model).__name__} "
+                          "cannot resume it. Fix: the model=/data=/model.* options of the run that wrote it, "
+                          "or ckpt_path=null")
+    states = checkpoint.get("optimizer_states") or []
+    if optimizer_factory is None or not states or not states[0].get("param_groups"):
+        return
+    needed = _param_group_keys(optimizer_factory) - {"initial_lr", "foreach", "fused", "differentiable",
+                                                     "capturable", "maximize"}
+    saved_keys = set(states[0]["param_groups"][0])
+    if needed - saved_keys:
+        raise ConfigError(f"ckpt_path={ckpt_path}: written with another optimizer (its state lacks "
+                          f"{', '.join(sorted(needed - saved_keys))}). Fix: the optimizer= of the run that wrote it, "
+                          "or ckpt_path=null to start fresh")
+
+
+def check_activation_memory(cfg: DictConfig, available_bytes: int | None = None,
+                            probe_lengths: tuple[int, int] = (128, 256)) -> None:
+    """Refuse a token model whose activations at ``data.block_size`` x ``data.batch_size`` exceed free memory.
+
+    Runs before the real model is built: a copy of the model config with a short context is probed by the
+    planner (forward+backward bytes at micro-batches 1 and 2, two lengths); the largest per-token cost is
+    scaled to the configured length (linear: attention's quadratic term is left out, so it errs towards running).
+    """
+    import hydra.utils
+
+    from lit_speed.memory.planner import probe
+
+    data, model_cfg = cfg.get("data"), cfg.get("model")
+    if not isinstance(data, DictConfig) or not isinstance(model_cfg, DictConfig) or "block_size" not in model_cfg:
+        return
+    block, batch = data.get("block_size"), data.get("batch_size")
+    if not isinstance(block, int) or not isinstance(batch, int) or block <= max(probe_lengths):
+        return
+    if available_bytes is None:
+        import psutil
+
+        available_bytes = psutil.virtual_memory().available
+    small = hydra.utils.instantiate(model_cfg, block_size=max(probe_lengths), optimizer=None, scheduler=None)
+    per_token = []
+    for length in probe_lengths:
+        tokens = torch.zeros(1, length, dtype=torch.long)
+        fit = probe(small, (tokens, tokens), micro_batches=(1, 2), repeats=1)
+        per_token.append(fit.bytes_fit[1] / length)
+    estimate = int(max(per_token) * batch * block)
+    if estimate > available_bytes:
+        raise ConfigError(f"data.block_size={block} x data.batch_size={batch}: activations need about "
+                          f"{estimate / 2**30:,.1f} GiB (planner estimate), {available_bytes / 2**30:,.1f} GiB is "
+                          "free. Fix: a smaller data.block_size or data.batch_size (see lit_speed.memory.planner)")
