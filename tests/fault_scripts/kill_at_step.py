@@ -30,6 +30,10 @@ class _KillBeforeRename:
         os.replace(src, dst)
 
 
+MODES = ("step", "before_rename", "sigterm", "sigusr1")
+SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": getattr(signal, "SIGUSR1", None)}
+
+
 class KillAtStep(Callback):
     """SIGKILL this process once ``trainer.global_step`` reaches ``step`` (on rank ``rank`` only).
 
@@ -37,12 +41,13 @@ class KillAtStep(Callback):
         step: Optimizer step after which to die.
         rank: Global rank that dies (the others are left to notice).
         mode: ``"step"`` kills right after the batch; ``"before_rename"`` kills inside the next checkpoint
-            save, after the temporary file is written and before it replaces the old checkpoint.
+            save, after the temporary file is written and before it replaces the old checkpoint; ``"sigterm"``
+            and ``"sigusr1"`` send that signal instead of SIGKILL (a scheduler's polite stop), once.
     """
 
     def __init__(self, step: int, rank: int = 0, mode: str = "step") -> None:
-        if mode not in ("step", "before_rename"):
-            raise ValueError(f"mode must be 'step' or 'before_rename', got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.step, self.rank, self.mode = step, rank, mode
 
     @override
@@ -52,4 +57,8 @@ class KillAtStep(Callback):
             return
         if self.mode == "step":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.mode in SIGNALS:
+            if trainer.global_step == self.step:  # once: the run stops at the end of this batch
+                os.kill(os.getpid(), SIGNALS[self.mode])
+            return
         atomic_io.os = _KillBeforeRename()
