@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
+from compare_checkpoints import max_abs_differences  # noqa: E402
 from runs import SHORT_RUN, explain, kill_at, train  # noqa: E402
 
 from lit_speed.checkpointing.preemption import request_stop  # noqa: E402
@@ -37,6 +38,19 @@ def test_signal_saves_the_current_step_prints_how_to_resume_and_exits_nonzero(tm
     assert resumed.returncode == 0, explain(resumed)
     assert f"Restored all states from the checkpoint at {last}" in resumed.stdout + resumed.stderr, explain(resumed)
     assert torch.load(last, weights_only=True)["global_step"] == 24
+
+
+@pytest.mark.slow
+def test_sigterm_resume_ends_bitwise_where_the_uninterrupted_run_ends(tmp_path):
+    reference = train(SHORT_RUN, tmp_path / "reference")
+    assert reference.returncode == 0, explain(reference)
+    stopped = train(SHORT_RUN + kill_at(STOP_STEP, mode="sigterm"), tmp_path / "run")
+    assert stopped.returncode == 128 + signal.SIGTERM, explain(stopped)
+    resumed = train(SHORT_RUN + ["ckpt_path=last"], tmp_path / "run")
+    assert resumed.returncode == 0, explain(resumed)
+    diffs = max_abs_differences(tmp_path / "reference" / "checkpoints" / "last.ckpt",
+                                tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert not {k: v for k, v in diffs.items() if v != 0.0}
 
 
 def test_request_stop_uses_lightnings_sigterm_flag():
