@@ -23,10 +23,14 @@ from lit_speed.checkpointing.preemption import install_stop_signal, save_interru
 from lit_speed.checkpointing.resume import (
     checkpoint_folders,
     gather_rng_states,
+    inexact_mid_epoch_resume,
     last_good_checkpoint,
+    prefetched_batches,
     recreate_train_iterator,
+    redraw_prefetched_batch,
     rng_state,
     set_rng_state,
+    snapshot_rng_before_each_fetch,
     train_iterator_exists,
 )
 
@@ -170,6 +174,8 @@ class FaultTolerance(Callback):
         self._trainer: pl.Trainer | None = None
         self._stale_train_iterator = False
         self._restored_rng: dict[str, Any] | None = None
+        self._rng_before_fetch: dict[str, Any] | None = None  # before the newest (prefetched) batch was drawn
+        self._restored_rng_before_fetch: dict[str, Any] | None = None
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -180,6 +186,8 @@ class FaultTolerance(Callback):
         if self.atomic_checkpoints and type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO(keep_previous=self.keep_previous)
         self.checkpoint_io_name = type(strategy.checkpoint_io).__name__
+        if self.restore_rng and stage == "fit":
+            snapshot_rng_before_each_fetch(trainer, self._snapshot_rng)
         if isinstance(strategy, DeepSpeedStrategy):
             self.checkpoint_io_name += " (unused: DeepSpeed writes its own folders)"
 
@@ -190,11 +198,19 @@ class FaultTolerance(Callback):
         # Resumed mid-epoch (from a resumable loader's checkpoint): no on_train_epoch_start follows. Rebuild an
         # iterator made before the restore, then go back to the saved RNG state: the uninterrupted run went on
         # from it to the next batch, without building an iterator (whose base seed is drawn from the RNG).
+        # An unsized loader (IterableDataset) had drawn one batch ahead when the checkpoint was written: draw it
+        # again from the state before that fetch, then go on from the checkpoint's state.
+        if trainer.fit_loop.restarted_mid_epoch:
+            problem = inexact_mid_epoch_resume(trainer)
+            if problem is not None:
+                rank_zero_warn(problem)
         if self._restored_rng is not None and trainer.fit_loop.restarted_mid_epoch:
-            if self._stale_train_iterator:
+            if self._restored_rng_before_fetch is not None:
+                redraw_prefetched_batch(trainer, self._restored_rng_before_fetch)
+            elif self._stale_train_iterator:
                 recreate_train_iterator(trainer)
             set_rng_state(self._restored_rng)
-            self._restored_rng, self._stale_train_iterator = None, False
+            self._restored_rng, self._stale_train_iterator, self._restored_rng_before_fetch = None, False, None
 
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -240,6 +256,9 @@ class FaultTolerance(Callback):
         if self.on_nonfinite_weights == "raise":
             raise RuntimeError(message)
         rank_zero_warn(message)
+
+    def _snapshot_rng(self) -> None:
+        self._rng_before_fetch = rng_state()
 
     def _note_signal(self, signum: int) -> None:
         self._stop_signal = signum
@@ -294,6 +313,8 @@ class FaultTolerance(Callback):
             per_rank = gather_rng_states()
             if per_rank is not None:
                 state["rng_per_rank"] = per_rank
+            elif self._trainer is not None and prefetched_batches(self._trainer) and self._rng_before_fetch is not None:
+                state["rng_before_prefetch"] = self._rng_before_fetch
         return state
 
     @override
@@ -314,6 +335,7 @@ class FaultTolerance(Callback):
                            "and drops out differently from an uninterrupted one.")
         set_rng_state(state)
         self._restored_rng = state
+        self._restored_rng_before_fetch = state_dict.get("rng_before_prefetch") if world_size == 1 else None
         # Most strategies restore callbacks before configure_optimizers, so the training iterator is made
         # after this point. DeepSpeed restores after its setup: the iterator configure_optimizers may have
         # made (estimated_stepping_batches) has shuffled with the fresh seed and the wrong sampler epoch.

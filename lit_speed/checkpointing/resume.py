@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import lightning.pytorch as pl
 import numpy as np
@@ -183,3 +183,78 @@ def recreate_train_iterator(trainer: "pl.Trainer") -> None:
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is not None:
         iter(fetcher)
+
+
+def snapshot_rng_before_each_fetch(trainer: "pl.Trainer", snapshot: Callable[[], None]) -> None:
+    """Call ``snapshot()`` right before the fit loop fetches each training batch (private fit-loop detail,
+    Lightning 2.6.6: ``_TrainingEpochLoop.on_run_start`` hands its ``_on_before_fetch`` to the data fetcher).
+
+    A loader without a length (an ``IterableDataset``) is prefetched one batch ahead: when a checkpoint is
+    written after batch k, batch k+1 has already been drawn from the global RNGs. Resuming from the RNG state
+    at the checkpoint alone therefore skips or repeats one batch; the state before that fetch replays it.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    before = epoch_loop._on_before_fetch
+    if getattr(before, "_lit_speed_snapshot", False):
+        return
+
+    def on_before_fetch() -> None:
+        fetcher = trainer.fit_loop._data_fetcher
+        if fetcher is not None and fetcher.length is None:  # only unsized loaders are prefetched
+            snapshot()
+        before()
+
+    on_before_fetch._lit_speed_snapshot = True  # type: ignore[attr-defined]
+    epoch_loop._on_before_fetch = on_before_fetch
+
+
+def prefetched_batches(trainer: "pl.Trainer") -> int:
+    """How many training batches the fit loop's fetcher holds ahead of training (private, Lightning 2.6.6)."""
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    return len(getattr(fetcher, "batches", None) or [])
+
+
+def inexact_mid_epoch_resume(trainer: "pl.Trainer") -> str | None:
+    """Why resuming this run's training loader mid-epoch cannot be exact, with the fix; ``None`` when it can.
+
+    Exact: a loader or sampler with ``load_state_dict`` (the built-in DataModules, ``StatefulDataLoader``), and
+    an ``IterableDataset`` read in the main process that draws from the global RNGs (FaultTolerance restores
+    them). Not exact: an ``IterableDataset`` in worker processes (the workers' RNG streams are not in any
+    checkpoint), and a map-style dataset whose sampler restarts its epoch (``shuffle=True`` draws a new one).
+    """
+    from torch.utils.data import DataLoader, IterableDataset
+
+    loader = trainer.train_dataloader
+    loaders = loader if isinstance(loader, (list, tuple)) else list(loader.values()) if isinstance(loader, dict) else [loader]
+    for dl in loaders:
+        if not isinstance(dl, DataLoader) or hasattr(dl, "load_state_dict"):
+            continue
+        name = type(dl.dataset).__name__
+        if isinstance(dl.dataset, IterableDataset):
+            if dl.num_workers > 0 and not hasattr(dl.dataset, "load_state_dict"):
+                return (f"mid-epoch resume is not exact: {name} is an IterableDataset read in {dl.num_workers} worker "
+                        "process(es), whose RNG streams no checkpoint holds. Fix: num_workers=0 (then FaultTolerance "
+                        "replays it exactly), state_dict/load_state_dict on the dataset, or end-of-epoch checkpoints.")
+            continue
+        sampler = dl.batch_sampler if dl.batch_sampler is not None else dl.sampler
+        inner = getattr(sampler, "sampler", sampler)
+        if not (hasattr(sampler, "load_state_dict") or hasattr(inner, "load_state_dict")):
+            return (f"mid-epoch resume is not exact: the loader of {name} restarts its epoch with "
+                    f"{type(inner).__name__} (new shuffle, repeated batches). Fix: a sampler with state_dict/"
+                    "load_state_dict (e.g. lit_speed.data.resumable.ResumableShuffleSampler), torchdata's "
+                    "StatefulDataLoader, or checkpoints at epoch ends.")
+    return None
+
+
+def redraw_prefetched_batch(trainer: "pl.Trainer", state: dict[str, Any]) -> None:
+    """Drop the batch the fit loop's fetcher prefetched and draw it again after restoring ``state`` (private
+    fetcher detail, Lightning 2.6.6: ``_PrefetchDataFetcher.batches``). The iterator itself is kept: building
+    a new one would draw a base seed from the torch RNG between ``state`` and the fetch."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None or fetcher.iterator is None or not getattr(fetcher, "batches", None):
+        return
+    fetcher.batches.clear()
+    fetcher.fetched -= 1
+    set_rng_state(state)
+    fetcher.batches.append(next(fetcher.iterator))
+    fetcher.fetched += 1
