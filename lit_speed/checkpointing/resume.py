@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lit_speed.checkpointing.atomic_checkpoint_io import PREVIOUS_SUFFIX, CorruptCheckpointError, verify_checkpoint
 
@@ -65,7 +65,10 @@ def last_good_checkpoint(folders: Iterable[_PATH]) -> Path | None:
             verify_checkpoint(path)
         except CorruptCheckpointError as error:
             problems.append(str(error))
-            rank_zero_warn(f"{error} Trying the next older checkpoint.")
+            moved = move_aside(path) if path.is_dir() else None
+            rank_zero_warn(f"{error} Trying the next older checkpoint."
+                           + (f" The damaged folder was moved to {moved.name}, so that the next save writes "
+                              f"{path.name} again." if moved is not None else ""))
             continue
         if problems:
             rank_zero_warn(f"Resuming from {path}, the newest checkpoint that verifies ({len(problems)} newer "
@@ -76,6 +79,23 @@ def last_good_checkpoint(folders: Iterable[_PATH]) -> Path | None:
             f"ckpt_path=last: all {len(problems)} checkpoint(s) are damaged, so there is nothing to resume from. "
             f"Fix: start from scratch with ckpt_path=null, or pass ckpt_path=<a good checkpoint>. First: {problems[0]}")
     return None
+
+
+def move_aside(path: Path) -> Path | None:
+    """Rename a damaged checkpoint folder to ``<name>.damaged-<n>`` (on global rank 0 only; ``None`` elsewhere).
+
+    DeepSpeed writes its checkpoint folders file by file, not atomically: a process killed inside a save
+    leaves e.g. a truncated ``last.ckpt/.../optim_states.pt``. Left in place, it makes ``ModelCheckpoint``
+    write the next last checkpoint as ``last-v1.ckpt`` and stays the newest folder by name; moved aside,
+    ``last.ckpt`` again names the newest good checkpoint after the next save. Nothing is deleted.
+    """
+    if rank_zero_only.rank != 0:
+        return None
+    n = 0
+    while (target := path.with_name(f"{path.name}.damaged-{n}")).exists():
+        n += 1
+    path.rename(target)
+    return target
 
 
 def checkpoint_folders(trainer: "pl.Trainer") -> list[Path]:
