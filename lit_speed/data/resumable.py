@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Sampler
 
 
 def draw_seed() -> int:
@@ -28,6 +28,7 @@ class ResumableShuffleSampler(DistributedSampler):
 
     A ``DistributedSampler`` subclass so that Lightning leaves it in place under DDP: each rank takes every
     ``world_size``-th index of the epoch's permutation (padded by wrapping, as ``DistributedSampler`` does).
+    The built-in DataModules use it on one process only (see :meth:`ResumableShuffle.sampler_for`).
     Use with ``DataLoader(BatchFetch(dataset), sampler=sampler, batch_size=None)``.
 
     Args:
@@ -95,9 +96,12 @@ class ResumableShuffle:
         self.sampler: ResumableShuffleSampler | None = None
         self._pending: dict[str, Any] | None = None
 
-    def sampler_for(self, n: int, batch_size: int, drop_last: bool, trainer: "pl.Trainer | None"
-                    ) -> ResumableShuffleSampler:
+    def sampler_for(self, n: int, batch_size: int, drop_last: bool, trainer: "pl.Trainer | None") -> Sampler:
+        """The training batch sampler: resumable on one process. With several, the ``RandomSampler`` batches
+        Lightning shards itself (as before; resuming those mid-epoch is not exact, and FaultTolerance says so)."""
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        if world > 1:
+            return BatchSampler(RandomSampler(range(n)), batch_size, drop_last=drop_last)
         s = self.sampler
         if s is None or (s.n, s.batch_size, s.drop_batch, s.rank, s.num_replicas) != (n, batch_size, drop_last, rank, world):
             self.sampler = ResumableShuffleSampler(n, batch_size, drop_last, rank, world)
