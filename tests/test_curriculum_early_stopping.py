@@ -72,7 +72,8 @@ def test_stop_at_stops_on_the_first_check_meeting_the_target(tmp_path):
     trainer, _ = _fit(tmp_path, stopper, [0.5, 0.7, 0.89, 0.91, 0.95])
     summary = stopper.final_summary()
     assert summary["reason"] == "target" and summary["target_step"] == 8 == trainer.global_step  # 4th check
-    assert summary["target_time_s"] > 0 and summary["best"] == pytest.approx(0.89)
+    # the check that met the target is the best: 0.91 at step 8 (it reported a stale 0.89 at step 6 before)
+    assert summary["target_time_s"] > 0 and summary["best"] == pytest.approx(0.91) and summary["best_step"] == 8
 
 
 def test_stop_is_written_to_the_loggers(tmp_path):
@@ -112,6 +113,15 @@ def test_patience_units(unit, patience, stop_check):
         results.append(stopper.check(value, step=2 * k, seconds=3.0 * k, widening=False)[0])
     assert results.index("patience") + 1 == stop_check
     assert stopper.best == 1.0
+
+
+def test_best_includes_the_check_that_met_the_target():
+    # issue 16 item 5: stop_at=2.45 met by 2.4399 at step 125 used to report best 2.527 at step 87
+    stopper = CurriculumEarlyStopping("val_loss", mode="min", patience=None, stop_at=2.45, min_delta=0.1)
+    assert stopper.check(2.527, step=87, seconds=1.0, widening=False) == (None, None)
+    assert stopper.check(2.4399, step=125, seconds=2.0, widening=False)[0] == "target"
+    summary = stopper.final_summary()
+    assert summary["best"] == pytest.approx(2.4399) and summary["best_step"] == 125 == summary["target_step"]
 
 
 def test_divergence_and_state_roundtrip():

@@ -174,10 +174,19 @@ def test_fp16_takes_the_scaler_config_and_refuses_other_nonfinite_policies() -> 
         strategy._apply_source_precision()
 
 
-def test_bf16_warns_that_the_nonfinite_policy_is_not_applied() -> None:
+def test_bf16_skip_is_honoured_and_other_policies_warn_that_steps_are_skipped_instead() -> None:
+    # issue 16 item 4: 'skip' is honoured under ZeRO in every mode (GuardedDeepSpeedPrecision), silently
+    from lit_speed.precision.zero_guard import GuardedDeepSpeedPrecision
+
     strategy = ZeroStrategy(stage=2)
     strategy.precision_plugin = _guarded("bf16-mixed", on_nonfinite="skip")
-    with pytest.warns(UserWarning, match=r"on_nonfinite='skip' is not applied under ZeroStrategy"):
+    assert isinstance(strategy.precision_plugin, GuardedDeepSpeedPrecision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy._apply_source_precision()
+    strategy = ZeroStrategy(stage=2)
+    strategy.precision_plugin = _guarded("bf16-mixed", on_nonfinite="fallback")
+    with pytest.warns(UserWarning, match=r"on_nonfinite='fallback' is not applied under ZeroStrategy.*skipped instead"):
         strategy._apply_source_precision()
     assert "fp16" not in strategy.config and "bf16" not in strategy.config  # bf16 is set by Lightning later
     strategy = ZeroStrategy(stage=2)

@@ -35,14 +35,17 @@ def previous_path(path: _PATH) -> Path:
     return path.with_name(path.name + PREVIOUS_SUFFIX)
 
 
-def verify_checkpoint(path: _PATH) -> None:
+def verify_checkpoint(path: _PATH, check_globals: bool = True) -> None:
     """Check that ``path`` is a complete, undamaged ``torch.save`` archive (or a folder of them).
 
-    Every record's CRC-32 is recomputed, so a flipped byte inside a tensor is found, not only truncation.
+    Every record's CRC-32 is recomputed, so a flipped byte inside a tensor is found, not only truncation,
+    and a file holding objects a safe (``weights_only``) load refuses is rejected without unpickling it.
     A folder (a DeepSpeed checkpoint) passes when it holds at least one ``.pt`` file and all of them pass.
 
     Args:
         path: A checkpoint file, or a checkpoint folder.
+        check_globals: Also refuse a file a safe (``weights_only``) load would refuse. Off for the files of a
+            DeepSpeed folder, which hold DeepSpeed's own objects and which DeepSpeed loads unsafely.
 
     Raises:
         CorruptCheckpointError: Naming the file, what is wrong, and what to do about it.
@@ -56,8 +59,8 @@ def verify_checkpoint(path: _PATH) -> None:
         parts = sorted(path.rglob("*.pt"))
         if not parts:
             raise CorruptCheckpointError(_message(path, "the folder holds no .pt files"))
-        for part in parts:
-            verify_checkpoint(part)
+        for part in parts:  # DeepSpeed pickles its own config objects and loads them unsafely, by design
+            verify_checkpoint(part, check_globals=False)
         return
     if not path.exists():
         raise CorruptCheckpointError(_message(path, "the file does not exist"))
@@ -68,6 +71,23 @@ def verify_checkpoint(path: _PATH) -> None:
         raise CorruptCheckpointError(_message(path, f"it is truncated or not a torch.save archive ({error})")) from None
     if bad is not None:
         raise CorruptCheckpointError(_message(path, f"record {bad!r} fails its CRC-32 check (damaged bytes)"))
+    unsafe = unsafe_globals(path) if check_globals else []
+    if unsafe:
+        raise CorruptCheckpointError(_message(path, f"it holds objects other than tensors and plain data ({', '.join(unsafe)}), "
+                                                    "which a safe load refuses and an unsafe load would execute"))
+
+
+def unsafe_globals(path: _PATH) -> list[str]:
+    """The classes and functions a ``torch.load(weights_only=True)`` of ``path`` would refuse.
+
+    The pickle is disassembled, never run (``torch.serialization.get_unsafe_globals_in_checkpoint``), so a
+    checkpoint whose unpickling would run a command is found without running it. Globals allow-listed with
+    ``torch.serialization.add_safe_globals`` count as safe, exactly as in the load that follows.
+    """
+    try:
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception as error:  # noqa: BLE001 - any failure to disassemble means the file cannot be loaded safely
+        return [f"<unreadable pickle: {type(error).__name__}>"]
 
 
 def _message(path: Path, reason: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import shlex
+import signal
 from typing import Any, Sequence
 
 import lightning.pytorch as pl
@@ -18,13 +19,18 @@ from typing_extensions import override
 
 from lit_speed.accumulation.micro_batch import is_oom_error
 from lit_speed.checkpointing.atomic_checkpoint_io import AtomicCheckpointIO
+from lit_speed.checkpointing.preemption import install_stop_signal, save_interrupted
 from lit_speed.checkpointing.resume import (
     checkpoint_folders,
     gather_rng_states,
+    inexact_mid_epoch_resume,
     last_good_checkpoint,
+    prefetched_batches,
     recreate_train_iterator,
+    redraw_prefetched_batch,
     rng_state,
     set_rng_state,
+    snapshot_rng_before_each_fetch,
     train_iterator_exists,
 )
 
@@ -129,6 +135,9 @@ class FaultTolerance(Callback):
         check_every_n_steps: How often the training loss is checked (each check reads the loss on the host,
             which synchronises a GPU). ``0`` = never; the weights are still checked at the end.
         on_nonfinite_weights: ``"warn"`` or ``"raise"`` when the weights are non-finite at the end of fit.
+        save_on_signal: On SIGTERM (Lightning stops at the next batch boundary) and SIGUSR1 (made to stop the
+            same way unless Lightning's SLURM requeue handler owns it): save ``last.ckpt`` at the step reached,
+            log "interrupted at step N; resume with ckpt_path=last hydra.run.dir=..." and exit ``128 + signum``.
 
     Raises:
         ValueError: On an unknown policy or a negative interval.
@@ -140,7 +149,7 @@ class FaultTolerance(Callback):
     """
 
     def __init__(self, atomic_checkpoints: bool = True, keep_previous: bool = True, restore_rng: bool = True,
-                 check_every_n_steps: int = 1, on_nonfinite_weights: str = "warn") -> None:
+                 check_every_n_steps: int = 1, on_nonfinite_weights: str = "warn", save_on_signal: bool = True) -> None:
         if on_nonfinite_weights not in NONFINITE_POLICIES:
             raise ValueError(f"callbacks.fault_tolerance.on_nonfinite_weights must be one of {NONFINITE_POLICIES}, "
                              f"got {on_nonfinite_weights!r}. Fix: on_nonfinite_weights=warn (report) or raise (fail).")
@@ -152,6 +161,9 @@ class FaultTolerance(Callback):
         self.restore_rng = restore_rng
         self.check_every_n_steps = check_every_n_steps
         self.on_nonfinite_weights = on_nonfinite_weights
+        self.save_on_signal = save_on_signal
+        self.interrupted: str | None = None
+        self._stop_signal: int | None = None
         self.checkpoint_io_name = "not set up"
         self.nonfinite_losses = 0
         self.first_nonfinite_loss_step: int | None = None
@@ -162,6 +174,8 @@ class FaultTolerance(Callback):
         self._trainer: pl.Trainer | None = None
         self._stale_train_iterator = False
         self._restored_rng: dict[str, Any] | None = None
+        self._rng_before_fetch: dict[str, Any] | None = None  # before the newest (prefetched) batch was drawn
+        self._restored_rng_before_fetch: dict[str, Any] | None = None
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -172,19 +186,31 @@ class FaultTolerance(Callback):
         if self.atomic_checkpoints and type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO(keep_previous=self.keep_previous)
         self.checkpoint_io_name = type(strategy.checkpoint_io).__name__
+        if self.restore_rng and stage == "fit":
+            snapshot_rng_before_each_fetch(trainer, self._snapshot_rng)
         if isinstance(strategy, DeepSpeedStrategy):
             self.checkpoint_io_name += " (unused: DeepSpeed writes its own folders)"
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.save_on_signal and hasattr(signal, "SIGUSR1"):  # after Lightning registered its own handlers
+            install_stop_signal(trainer, signal.SIGUSR1, self._note_signal)
         # Resumed mid-epoch (from a resumable loader's checkpoint): no on_train_epoch_start follows. Rebuild an
         # iterator made before the restore, then go back to the saved RNG state: the uninterrupted run went on
         # from it to the next batch, without building an iterator (whose base seed is drawn from the RNG).
+        # An unsized loader (IterableDataset) had drawn one batch ahead when the checkpoint was written: draw it
+        # again from the state before that fetch, then go on from the checkpoint's state.
+        if trainer.fit_loop.restarted_mid_epoch:
+            problem = inexact_mid_epoch_resume(trainer)
+            if problem is not None:
+                rank_zero_warn(problem)
         if self._restored_rng is not None and trainer.fit_loop.restarted_mid_epoch:
-            if self._stale_train_iterator:
+            if self._restored_rng_before_fetch is not None:
+                redraw_prefetched_batch(trainer, self._restored_rng_before_fetch)
+            elif self._stale_train_iterator:
                 recreate_train_iterator(trainer)
             set_rng_state(self._restored_rng)
-            self._restored_rng, self._stale_train_iterator = None, False
+            self._restored_rng, self._stale_train_iterator, self._restored_rng_before_fetch = None, False, None
 
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -231,8 +257,20 @@ class FaultTolerance(Callback):
             raise RuntimeError(message)
         rank_zero_warn(message)
 
+    def _snapshot_rng(self) -> None:
+        self._rng_before_fetch = rng_state()
+
+    def _note_signal(self, signum: int) -> None:
+        self._stop_signal = signum
+
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        if self.save_on_signal:
+            self.interrupted = save_interrupted(trainer, exception, self._stop_signal)
+            if self.interrupted is not None:
+                if trainer.is_global_zero:
+                    log.warning(self.interrupted)
+                return
         kind = classify_failure(exception, trainer.world_size)
         if kind is None:
             return
@@ -264,7 +302,7 @@ class FaultTolerance(Callback):
         return {"checkpoint_io": self.checkpoint_io_name, "nonfinite_losses": self.nonfinite_losses,
                 "first_nonfinite_loss_step": self.first_nonfinite_loss_step,
                 "nonfinite_weights": self.nonfinite_weights, "weights_finite": not self.nonfinite_weights,
-                "failure": self.failure}
+                "failure": self.failure, "interrupted": self.interrupted}
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -275,6 +313,8 @@ class FaultTolerance(Callback):
             per_rank = gather_rng_states()
             if per_rank is not None:
                 state["rng_per_rank"] = per_rank
+            elif self._trainer is not None and prefetched_batches(self._trainer) and self._rng_before_fetch is not None:
+                state["rng_before_prefetch"] = self._rng_before_fetch
         return state
 
     @override
@@ -295,6 +335,7 @@ class FaultTolerance(Callback):
                            "and drops out differently from an uninterrupted one.")
         set_rng_state(state)
         self._restored_rng = state
+        self._restored_rng_before_fetch = state_dict.get("rng_before_prefetch") if world_size == 1 else None
         # Most strategies restore callbacks before configure_optimizers, so the training iterator is made
         # after this point. DeepSpeed restores after its setup: the iterator configure_optimizers may have
         # made (estimated_stepping_batches) has shuffled with the fresh seed and the wrong sampler epoch.

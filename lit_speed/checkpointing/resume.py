@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lit_speed.checkpointing.atomic_checkpoint_io import PREVIOUS_SUFFIX, CorruptCheckpointError, verify_checkpoint
 
@@ -65,7 +65,10 @@ def last_good_checkpoint(folders: Iterable[_PATH]) -> Path | None:
             verify_checkpoint(path)
         except CorruptCheckpointError as error:
             problems.append(str(error))
-            rank_zero_warn(f"{error} Trying the next older checkpoint.")
+            moved = move_aside(path) if path.is_dir() else None
+            rank_zero_warn(f"{error} Trying the next older checkpoint."
+                           + (f" The damaged folder was moved to {moved.name}, so that the next save writes "
+                              f"{path.name} again." if moved is not None else ""))
             continue
         if problems:
             rank_zero_warn(f"Resuming from {path}, the newest checkpoint that verifies ({len(problems)} newer "
@@ -76,6 +79,23 @@ def last_good_checkpoint(folders: Iterable[_PATH]) -> Path | None:
             f"ckpt_path=last: all {len(problems)} checkpoint(s) are damaged, so there is nothing to resume from. "
             f"Fix: start from scratch with ckpt_path=null, or pass ckpt_path=<a good checkpoint>. First: {problems[0]}")
     return None
+
+
+def move_aside(path: Path) -> Path | None:
+    """Rename a damaged checkpoint folder to ``<name>.damaged-<n>`` (on global rank 0 only; ``None`` elsewhere).
+
+    DeepSpeed writes its checkpoint folders file by file, not atomically: a process killed inside a save
+    leaves e.g. a truncated ``last.ckpt/.../optim_states.pt``. Left in place, it makes ``ModelCheckpoint``
+    write the next last checkpoint as ``last-v1.ckpt`` and stays the newest folder by name; moved aside,
+    ``last.ckpt`` again names the newest good checkpoint after the next save. Nothing is deleted.
+    """
+    if rank_zero_only.rank != 0:
+        return None
+    n = 0
+    while (target := path.with_name(f"{path.name}.damaged-{n}")).exists():
+        n += 1
+    path.rename(target)
+    return target
 
 
 def checkpoint_folders(trainer: "pl.Trainer") -> list[Path]:
@@ -183,3 +203,78 @@ def recreate_train_iterator(trainer: "pl.Trainer") -> None:
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is not None:
         iter(fetcher)
+
+
+def snapshot_rng_before_each_fetch(trainer: "pl.Trainer", snapshot: Callable[[], None]) -> None:
+    """Call ``snapshot()`` right before the fit loop fetches each training batch (private fit-loop detail,
+    Lightning 2.6.6: ``_TrainingEpochLoop.on_run_start`` hands its ``_on_before_fetch`` to the data fetcher).
+
+    A loader without a length (an ``IterableDataset``) is prefetched one batch ahead: when a checkpoint is
+    written after batch k, batch k+1 has already been drawn from the global RNGs. Resuming from the RNG state
+    at the checkpoint alone therefore skips or repeats one batch; the state before that fetch replays it.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    before = epoch_loop._on_before_fetch
+    if getattr(before, "_lit_speed_snapshot", False):
+        return
+
+    def on_before_fetch() -> None:
+        fetcher = trainer.fit_loop._data_fetcher
+        if fetcher is not None and fetcher.length is None:  # only unsized loaders are prefetched
+            snapshot()
+        before()
+
+    on_before_fetch._lit_speed_snapshot = True  # type: ignore[attr-defined]
+    epoch_loop._on_before_fetch = on_before_fetch
+
+
+def prefetched_batches(trainer: "pl.Trainer") -> int:
+    """How many training batches the fit loop's fetcher holds ahead of training (private, Lightning 2.6.6)."""
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    return len(getattr(fetcher, "batches", None) or [])
+
+
+def inexact_mid_epoch_resume(trainer: "pl.Trainer") -> str | None:
+    """Why resuming this run's training loader mid-epoch cannot be exact, with the fix; ``None`` when it can.
+
+    Exact: a loader or sampler with ``load_state_dict`` (the built-in DataModules, ``StatefulDataLoader``), and
+    an ``IterableDataset`` read in the main process that draws from the global RNGs (FaultTolerance restores
+    them). Not exact: an ``IterableDataset`` in worker processes (the workers' RNG streams are not in any
+    checkpoint), and a map-style dataset whose sampler restarts its epoch (``shuffle=True`` draws a new one).
+    """
+    from torch.utils.data import DataLoader, IterableDataset
+
+    loader = trainer.train_dataloader
+    loaders = loader if isinstance(loader, (list, tuple)) else list(loader.values()) if isinstance(loader, dict) else [loader]
+    for dl in loaders:
+        if not isinstance(dl, DataLoader) or hasattr(dl, "load_state_dict"):
+            continue
+        name = type(dl.dataset).__name__
+        if isinstance(dl.dataset, IterableDataset):
+            if dl.num_workers > 0 and not hasattr(dl.dataset, "load_state_dict"):
+                return (f"mid-epoch resume is not exact: {name} is an IterableDataset read in {dl.num_workers} worker "
+                        "process(es), whose RNG streams no checkpoint holds. Fix: num_workers=0 (then FaultTolerance "
+                        "replays it exactly), state_dict/load_state_dict on the dataset, or end-of-epoch checkpoints.")
+            continue
+        sampler = dl.batch_sampler if dl.batch_sampler is not None else dl.sampler
+        inner = getattr(sampler, "sampler", sampler)
+        if not (hasattr(sampler, "load_state_dict") or hasattr(inner, "load_state_dict")):
+            return (f"mid-epoch resume is not exact: the loader of {name} restarts its epoch with "
+                    f"{type(inner).__name__} (new shuffle, repeated batches). Fix: a sampler with state_dict/"
+                    "load_state_dict (e.g. lit_speed.data.resumable.ResumableShuffleSampler), torchdata's "
+                    "StatefulDataLoader, or checkpoints at epoch ends.")
+    return None
+
+
+def redraw_prefetched_batch(trainer: "pl.Trainer", state: dict[str, Any]) -> None:
+    """Drop the batch the fit loop's fetcher prefetched and draw it again after restoring ``state`` (private
+    fetcher detail, Lightning 2.6.6: ``_PrefetchDataFetcher.batches``). The iterator itself is kept: building
+    a new one would draw a base seed from the torch RNG between ``state`` and the fetch."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None or fetcher.iterator is None or not getattr(fetcher, "batches", None):
+        return
+    fetcher.batches.clear()
+    fetcher.fetched -= 1
+    set_rng_state(state)
+    fetcher.batches.append(next(fetcher.iterator))
+    fetcher.fetched += 1

@@ -141,6 +141,8 @@ class CurriculumEarlyStopping(Callback):
         if self.check_finite and not math.isfinite(current):
             return "non_finite", f"{self.monitor} = {current} is not finite (best {self.best:.4f} at step {self.best_step})"
         if self.stop_at is not None and reached(current, self.stop_at, self.mode):
+            if improved(current, self.best, self.mode, 0.0):  # the check that met the target is the best so far
+                self.best, self.best_step = current, step
             self.target_step, self.target_time_s = step, round(seconds, 3)
             return "target", f"{self.monitor} = {current:.4f} reached stop_at={self.stop_at} at step {step} ({seconds:.1f} s)"
         if self.divergence_threshold is not None and not reached(current, self.divergence_threshold, self.mode):

@@ -17,11 +17,12 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, check_worker_options, loader_kwargs,
                                      resolve_num_workers, resolve_pin_memory)
+from lit_speed.data.resumable import ResumableShuffle
 
 # A fixed vocabulary (tab, newline, printable ASCII) so token ids never depend on corpus content;
 # any other character maps to "?" (index of "?").
@@ -243,6 +244,7 @@ class CharLMDataModule(pl.LightningDataModule):
         self.corpus: Corpus | None = None
         self.train_dataset: TokenWindows | None = None
         self.val_dataset: torch.utils.data.Subset | None = None
+        self.train_order = ResumableShuffle("charlm")  # resumes mid-epoch through state_dict
 
     def prepare_data(self) -> None:
         build_corpus(self.hparams.cache_dir, self.hparams.max_bytes, self.hparams.val_every, self.hparams.root)
@@ -271,9 +273,9 @@ class CharLMDataModule(pl.LightningDataModule):
         return loader_kwargs(workers, resolve_pin_memory(h.pin_memory, self.trainer), persistent, h.prefetch_factor)
 
     def train_dataloader(self) -> DataLoader:
-        # the same RandomSampler draw as shuffle=True, drop_last=True; each batch gathered in one index
-        batches = BatchSampler(RandomSampler(self.train_dataset), self.batch_size, drop_last=True)
-        return DataLoader(BatchFetch(self.train_dataset), sampler=batches, batch_size=None, **self._loader_kwargs())
+        # the same draw as shuffle=True, drop_last=True, resumable mid-epoch; each batch gathered in one index
+        sampler = self.train_order.sampler_for(len(self.train_dataset), self.batch_size, True, self.trainer)
+        return DataLoader(BatchFetch(self.train_dataset), sampler=sampler, batch_size=None, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:
         kwargs = {**self._loader_kwargs(), "persistent_workers": False}
@@ -281,7 +283,16 @@ class CharLMDataModule(pl.LightningDataModule):
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.train_order.mark_used(self.trainer)
         return apply_batch_transform(self.batch_transform, batch, self.trainer is not None and self.trainer.training)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_order": self.train_order.state_dict(self.trainer)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.train_order.load_state_dict(state_dict.get("train_order", {}))
 
     def describe(self) -> dict[str, Any]:
         self.setup()

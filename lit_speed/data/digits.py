@@ -5,11 +5,12 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, check_worker_options, loader_kwargs,
                                      resolve_num_workers, resolve_pin_memory)
+from lit_speed.data.resumable import ResumableShuffle
 
 
 def load_digits_tensors(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -72,6 +73,7 @@ class DigitsDataModule(pl.LightningDataModule):
         self.batch_transform = batch_transform
         self.train_dataset: TensorDataset | None = None
         self.val_dataset: TensorDataset | None = None
+        self.train_order = ResumableShuffle("digits")  # resumes mid-epoch through state_dict
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is None:
@@ -83,12 +85,10 @@ class DigitsDataModule(pl.LightningDataModule):
                              h.persistent_workers, h.prefetch_factor)
 
     def train_dataloader(self) -> DataLoader:
-        if not self.hparams.preload:
-            return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=False,
-                              **self._loader_kwargs())
-        # the same RandomSampler draw as shuffle=True, served a whole batch per tensor index
-        batches = BatchSampler(RandomSampler(self.train_dataset), self.batch_size, drop_last=False)
-        return DataLoader(BatchFetch(self.train_dataset), sampler=batches, batch_size=None, **self._loader_kwargs())
+        # the same draw as shuffle=True, resumable mid-epoch; preload serves a whole batch per tensor index
+        sampler = self.train_order.sampler_for(len(self.train_dataset), self.batch_size, False, self.trainer)
+        return DataLoader(BatchFetch(self.train_dataset, per_sample=not self.hparams.preload), sampler=sampler,
+                          batch_size=None, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_dataset, batch_size=max(self.batch_size, 256), shuffle=False,
@@ -96,9 +96,18 @@ class DigitsDataModule(pl.LightningDataModule):
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.train_order.mark_used(self.trainer)
         return apply_batch_transform(self.batch_transform, batch, self.trainer is not None and self.trainer.training)
 
     def describe(self) -> dict[str, Any]:
         """Rows for the start-up table."""
         self.setup()
         return {"data": f"digits: {len(self.train_dataset)} train / {len(self.val_dataset)} val samples"}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_order": self.train_order.state_dict(self.trainer)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.train_order.load_state_dict(state_dict.get("train_order", {}))

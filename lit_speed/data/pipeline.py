@@ -85,13 +85,16 @@ class BatchFetch(Dataset):
     batch_size=None)``.
     """
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: Dataset, per_sample: bool = False) -> None:
         self.dataset = dataset
+        self.per_sample = per_sample  # always ``__getitem__`` per index plus a collate (the textbook loader)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, indices: list[int]) -> Any:
+        if self.per_sample:
+            return default_collate([self.dataset[i] for i in indices])
         if isinstance(self.dataset, TensorDataset):
             return self.dataset[torch.as_tensor(indices)]
         get_batch = getattr(self.dataset, "get_batch", None)

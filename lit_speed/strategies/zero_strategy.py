@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strateg
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit_speed.precision.zero_guard import GuardedDeepSpeedPrecision
 from lit_speed.strategies import _lightning_compat as compat
 from lit_speed.strategies.consolidate import check_resume_world_size
 from lit_speed.strategies.ds_accelerator import use_deepspeed_accelerator
@@ -34,7 +35,8 @@ from lit_speed.strategies.zero_config import (
 )
 
 # Non-finite policies DeepSpeed itself honours: its fp16 dynamic loss scaler skips overflowing steps.
-_HONOURED_NONFINITE = {"16-mixed": ("skip",), "16-true": ("skip",)}
+# fp16: DeepSpeed's loss scaler skips; the others: GuardedDeepSpeedPrecision makes DeepSpeed discard the step
+_HONOURED_NONFINITE = {p: ("skip",) for p in PRECISIONS}
 
 
 class ZeroStrategy(DeepSpeedStrategy):
@@ -127,7 +129,8 @@ class ZeroStrategy(DeepSpeedStrategy):
                 raise ValueError(f"ZeroStrategy needs a precision plugin whose .precision is one of {PRECISIONS}, "
                                  f"got {type(plugin).__name__} with precision={literal!r}")
             self._source_precision = plugin
-            plugin = DeepSpeedPrecision(literal)
+            guarded = getattr(plugin, "on_nonfinite", None) not in (None, "ignore") and not literal.startswith("16-")
+            plugin = GuardedDeepSpeedPrecision(literal, plugin) if guarded else DeepSpeedPrecision(literal)
         Strategy.precision_plugin.fset(self, plugin)
 
     def _apply_source_precision(self) -> None:
@@ -143,9 +146,9 @@ class ZeroStrategy(DeepSpeedStrategy):
         if literal.startswith("16-"):
             raise ValueError(f"on_nonfinite={policy!r} cannot be honoured by ZeroStrategy with precision={literal!r}:"
                              " DeepSpeed's fp16 loss scaler always skips the step; set on_nonfinite='skip'")
-        rank_zero_warn(f"on_nonfinite={policy!r} is not applied under ZeroStrategy with precision={literal!r}: "
-                       "DeepSpeed does not check gradients for inf/NaN outside fp16. Set trainer.gradient_clip_val "
-                       "and watch train/loss.")
+        rank_zero_warn(f"on_nonfinite={policy!r} is not applied under ZeroStrategy with precision={literal!r}: a "
+                       "DeepSpeed engine cannot change precision or stop mid-step, so non-finite steps are skipped "
+                       "instead (discarded by DeepSpeed, counted in skipped_steps). Set on_nonfinite='skip'.")
 
     # -- CPU support: the three points where Lightning's DeepSpeedStrategy assumes CUDA ---------------------
     @override

@@ -5,15 +5,33 @@ Used by tests/test_faults_resume.py through a Hydra override (the test puts this
 """
 from __future__ import annotations
 
+import io
 import os
 import signal
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 import lit_speed.checkpointing.atomic_checkpoint_io as atomic_io
+
+
+def _truncate_and_kill_in_last_optim_save(save: Any) -> Any:
+    """``torch.save`` that, for ``last.ckpt/**/*optim_states.pt``, writes half the bytes and SIGKILLs."""
+
+    def patched(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        name = str(f)
+        if "last.ckpt" in name and name.endswith("optim_states.pt"):
+            buffer = io.BytesIO()
+            save(obj, buffer, *args, **kwargs)
+            with open(name, "wb") as out:
+                out.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(obj, f, *args, **kwargs)
+
+    return patched
 
 
 class _KillBeforeRename:
@@ -30,6 +48,10 @@ class _KillBeforeRename:
         os.replace(src, dst)
 
 
+MODES = ("step", "before_rename", "sigterm", "sigusr1", "in_zero_last_save")
+SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": getattr(signal, "SIGUSR1", None)}
+
+
 class KillAtStep(Callback):
     """SIGKILL this process once ``trainer.global_step`` reaches ``step`` (on rank ``rank`` only).
 
@@ -37,12 +59,15 @@ class KillAtStep(Callback):
         step: Optimizer step after which to die.
         rank: Global rank that dies (the others are left to notice).
         mode: ``"step"`` kills right after the batch; ``"before_rename"`` kills inside the next checkpoint
-            save, after the temporary file is written and before it replaces the old checkpoint.
+            save, after the temporary file is written and before it replaces the old checkpoint; ``"sigterm"``
+            and ``"sigusr1"`` send that signal instead of SIGKILL (a scheduler's polite stop), once;
+            ``"in_zero_last_save"`` kills inside the next DeepSpeed save of ``last.ckpt/``, leaving its
+            ``optim_states.pt`` truncated (DeepSpeed writes its folders file by file).
     """
 
     def __init__(self, step: int, rank: int = 0, mode: str = "step") -> None:
-        if mode not in ("step", "before_rename"):
-            raise ValueError(f"mode must be 'step' or 'before_rename', got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.step, self.rank, self.mode = step, rank, mode
 
     @override
@@ -52,4 +77,11 @@ class KillAtStep(Callback):
             return
         if self.mode == "step":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.mode in SIGNALS:
+            if trainer.global_step == self.step:  # once: the run stops at the end of this batch
+                os.kill(os.getpid(), SIGNALS[self.mode])
+            return
+        if self.mode == "in_zero_last_save":
+            torch.save = _truncate_and_kill_in_last_optim_save(torch.save)
+            return
         atomic_io.os = _KillBeforeRename()
