@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lit_speed.precision import modes
 from lit_speed.precision.fp32_modules import Float32Islands, _cast, match_modules
+from lit_speed.precision.master_weights import MasterWeights
 from lit_speed.precision.nonfinite import Action, GuardCounters, all_finite, decide, first_nonfinite, is_genuine
 from lit_speed.precision.probe import DEFAULT_MAX_SLOWDOWN, cpu_has_native_bf16, measure_slowdown, slowdown_warning
 from lit_speed.precision.skip_aware_scheduler import SkipAwareScheduler
@@ -96,6 +97,8 @@ class GuardedPrecision(Precision):
         self._param_names: dict[int, str] = {}
         self._islands: Float32Islands | None = None
         self._previous_matmul_precision: str | None = None
+        self._master: MasterWeights | None = None  # bf16-master: the float32 masters of the module
+        self._optimizers: list[Optimizer] = []
 
     @property
     def precision(self) -> str:  # type: ignore[override]
@@ -155,6 +158,8 @@ class GuardedPrecision(Precision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         self._setup(module)
+        if self.mode == "bf16-master" and (self._master is None or self._master.module is not module):
+            self._master = MasterWeights(module)  # masters from the (restored) float32 weights, module -> bf16
         return module.to(torch.bfloat16) if self.mode == "bf16-true" else module
 
     @override
@@ -162,6 +167,11 @@ class GuardedPrecision(Precision):
                 ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         self._setup(model)
         self._param_names = {id(p): n for n, p in model.named_parameters()}
+        self._optimizers = list(optimizers)
+        if self._master is not None:
+            for optimizer in optimizers:
+                self._master.attach(optimizer)
+            self._param_names.update({id(self._master.master_of(p)): n for n, p in model.named_parameters()})
         if self.fp32_modules:
             self._islands = Float32Islands(self.device_type or "cpu",
                                            torch.bfloat16 if self.mode == "bf16-true" else None)
@@ -197,7 +207,7 @@ class GuardedPrecision(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        return _cast(data, torch.bfloat16) if self.mode == "bf16-true" else data
+        return _cast(data, torch.bfloat16) if self.mode in ("bf16-true", "bf16-master") else data
 
     # ---- backward and step -------------------------------------------------------------------------------
 
@@ -235,6 +245,8 @@ class GuardedPrecision(Precision):
         self.last_step_skipped = action is not Action.STEP
         if action is Action.STEP:
             optimizer.step(**kwargs)
+            if self._master is not None:
+                self._master.copy_to_model()
         if self.scaler is not None:
             self.scaler.update()
             if self.scaler.get_scale() < self.scaler_config["min_scale"]:
@@ -272,6 +284,7 @@ class GuardedPrecision(Precision):
 
     def _fall_back(self, step: int, what: str) -> None:
         old, self.mode = self.mode, self._chain.pop(0)
+        self._release_masters()
         self.reason = f"fell back from {old} at step {step}"
         self.counters.consecutive_bad = 0
         self.counters.fallbacks.append({"step": step, "from": old, "to": self.mode, "reason": what})
@@ -281,6 +294,12 @@ class GuardedPrecision(Precision):
             self.scaler = None
         rank_zero_warn(f"GuardedPrecision: {self.fallback_after} consecutive non-finite steps under {old} (last "
                        f"at step {step}: {what}); continuing in {self.mode}. The checkpoint keeps this mode.")
+
+    def _release_masters(self) -> None:
+        """Left bf16-master (fallback, or a checkpoint that had): the float32 masters become the weights."""
+        if self._master is not None and self.mode != "bf16-master":
+            self._master.release(self._optimizers)
+            self._master = None
 
     # ---- telemetry, state, description -------------------------------------------------------------------
 
@@ -321,6 +340,7 @@ class GuardedPrecision(Precision):
         self._resolved = True
         if self.counters.fallbacks:
             self.reason = f"restored from checkpoint: fell back from {self.counters.fallbacks[-1]['from']}"
+        self._release_masters()
         if self.mode != "16-mixed":
             self.scaler = None
         elif "scaler" in state_dict:
