@@ -10,12 +10,20 @@ from torch import nn
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
 
-def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices and embeddings only; biases and norm weights are not decayed (as in nanoGPT)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def param_groups(module: nn.Module, weight_decay: float, names: bool = False) -> list[dict[str, Any]]:
+    """Decay matrices and embeddings only; biases and norm weights are not decayed (as in nanoGPT).
+
+    ``names=True`` adds each group's ``param_names`` (for optimizers that split by name, e.g. Muon).
+    """
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    groups = []
+    for keep, wd in ((lambda p: p.dim() >= 2, weight_decay), (lambda p: p.dim() < 2, 0.0)):
+        chosen = [(n, p) for n, p in named if keep(p)]
+        group: dict[str, Any] = {"params": [p for _, p in chosen], "weight_decay": wd}
+        if names:
+            group["param_names"] = [n for n, _ in chosen]
+        groups.append(group)
+    return groups
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
@@ -82,12 +90,18 @@ def warmup_stable_decay(optimizer: torch.optim.Optimizer, total_steps: int, warm
 
 def configure_optimizers(module: "torch.nn.Module", optimizer: OptimizerFactory | None,
                          scheduler: Callable[..., Any] | None, weight_decay: float,
-                         total_steps: int) -> Any:
-    """Build the ``configure_optimizers`` return value from Hydra partials."""
+                         total_steps: int, strategy: Any = None) -> Any:
+    """Build the ``configure_optimizers`` return value from Hydra partials (``strategy``: refuse what cannot run)."""
     if optimizer is None:
         raise ValueError("model.optimizer is not set: pass a partial, e.g. optimizer=adamw in Hydra "
                          "or functools.partial(torch.optim.AdamW, lr=1e-3) in Python")
-    opt = optimizer(param_groups(module, weight_decay))
+    wants_names = bool(getattr(getattr(optimizer, "func", optimizer), "wants_param_names", False))
+    if wants_names and strategy is not None and "DeepSpeedStrategy" in {c.__name__ for c in type(strategy).__mro__}:
+        raise ValueError("optimizer=muon cannot run under a DeepSpeed ZeRO strategy: ZeRO flattens parameters "
+                         "into 1-D partitions (and offload steps on the CPU with its own Adam), so Muon's 2-D "
+                         "matrices do not exist there. Fix: strategy=auto or ddp with optimizer=muon, or keep "
+                         "ZeRO with optimizer=adamw (or cpu_adam for offload).")
+    opt = optimizer(param_groups(module, weight_decay, names=wants_names))
     if scheduler is None:
         return opt
     sched = scheduler(opt, total_steps=total_steps)
