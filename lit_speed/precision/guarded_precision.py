@@ -168,10 +168,8 @@ class GuardedPrecision(Precision):
         self._setup(model)
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         self._optimizers = list(optimizers)
-        if self._master is not None:
-            for optimizer in optimizers:
-                self._master.attach(optimizer)
-            self._param_names.update({id(self._master.master_of(p)): n for n, p in model.named_parameters()})
+        if self._master is not None:  # the optimizers step the float32 masters; the guard names them
+            self._param_names.update(self._master.attach(optimizers))
         if self.fp32_modules:
             self._islands = Float32Islands(self.device_type or "cpu",
                                            torch.bfloat16 if self.mode == "bf16-true" else None)
@@ -295,8 +293,7 @@ class GuardedPrecision(Precision):
         rank_zero_warn(f"GuardedPrecision: {self.fallback_after} consecutive non-finite steps under {old} (last "
                        f"at step {step}: {what}); continuing in {self.mode}. The checkpoint keeps this mode.")
 
-    def _release_masters(self) -> None:
-        """Left bf16-master (fallback, or a checkpoint that had): the float32 masters become the weights."""
+    def _release_masters(self) -> None:  # left bf16-master: the float32 masters become the weights
         if self._master is not None and self.mode != "bf16-master":
             self._master.release(self._optimizers)
             self._master = None

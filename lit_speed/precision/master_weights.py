@@ -14,7 +14,7 @@ sees float32 copies ("masters") instead of the module's parameters:
 Works the same on CPU and CUDA (only ``torch`` tensor APIs). Usable without Lightning::
 
     masters = MasterWeights(model)          # model becomes bf16
-    opt = torch.optim.AdamW(masters.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(masters.parameters(), lr=1e-3)   # or masters.attach([opt]) on an existing one
     loss(model(x)).backward(); opt.step(); opt.zero_grad(); masters.copy_to_model()
 """
 from __future__ import annotations
@@ -55,10 +55,12 @@ class MasterWeights:
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         return self.masters.get(param, param)  # type: ignore[call-overload]
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point ``optimizer``'s param groups at the masters (before it has any state)."""
-        for group in optimizer.param_groups:
-            group["params"] = [self.master_of(p) for p in group["params"]]
+    def attach(self, optimizers: list[torch.optim.Optimizer]) -> dict[int, str]:
+        """Point the optimizers' param groups at the masters (before they have state); ``{id(master): name}``."""
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [self.master_of(p) for p in group["params"]]
+        return {id(self.master_of(p)): n for n, p in self.module.named_parameters()}
 
     def _move_grad(self, param: torch.Tensor) -> None:
         master = self.masters[param]  # type: ignore[index]
