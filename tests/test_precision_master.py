@@ -156,3 +156,38 @@ def test_bf16_master_is_a_mode_with_a_code_and_a_chain() -> None:
     assert modes.MODE_CODES["bf16-master"] == 4 and modes.compute_dtype("bf16-master") == torch.bfloat16
     with pytest.raises(ValueError, match="needs bf16 support"):
         modes.check_device_support("bf16-master", "cuda", cuda_bf16=False)
+
+
+def test_auto_times_the_models_own_step_and_reports_each_mode() -> None:
+    from lit_speed.precision.step_timing import choose_by_timing, time_modes
+
+    module = TinyGPT()
+    before = [p.detach().clone() for p in module.parameters()]
+    x, y = _tokens()[:8]
+    times = time_modes(module, (x, y), ("32-true", "bf16-master", "bf16-mixed"), steps=2)
+    assert set(times) == {"32-true", "bf16-master", "bf16-mixed"} and all(t is None or t > 0 for t in times.values())
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # timed on copies
+    assert time_modes(module, (x, y), ("32-true", "bf16-master", "bf16-mixed"), steps=2) == times  # cached
+    assert choose_by_timing({"32-true": 0.010, "bf16-master": 0.006, "bf16-mixed": None})[0] == "bf16-master"
+    # within the noise margin (5%), the exact mode wins; non-finite modes are never chosen
+    assert choose_by_timing({"32-true": 0.010, "bf16-master": 0.0097})[0] == "32-true"
+    mode, reason = choose_by_timing({"32-true": None, "bf16-mixed": 0.004})
+    assert mode == "bf16-mixed" and "32-true non-finite" in reason and "bf16-mixed 4.0 ms" in reason
+
+
+def test_auto_in_a_trainer_shows_the_timed_modes_when_the_cpu_has_bf16() -> None:
+    from lit_speed.precision.probe import cpu_has_native_bf16
+
+    class WithData(pl.LightningDataModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(_tokens(), batch_size=8, shuffle=True)
+
+    plugin = GuardedPrecision("auto")
+    trainer = pl.Trainer(accelerator="cpu", plugins=[plugin], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, max_steps=2)
+    trainer.fit(TinyGPT(), datamodule=WithData())
+    if cpu_has_native_bf16():
+        assert "timed this model's step" in plugin.reason and "bf16-master" in plugin.reason
+        assert plugin.mode in ("32-true", "bf16-master", "bf16-mixed")
+    else:
+        assert plugin.mode == "32-true"

@@ -14,11 +14,12 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lit_speed.precision import modes
-from lit_speed.precision.fp32_modules import Float32Islands, _cast, match_modules
+from lit_speed.precision.fp32_modules import Float32Islands, _cast, _default_dtype, match_modules
 from lit_speed.precision.master_weights import MasterWeights
 from lit_speed.precision.nonfinite import Action, GuardCounters, all_finite, decide, first_nonfinite, is_genuine
 from lit_speed.precision.probe import DEFAULT_MAX_SLOWDOWN, cpu_has_native_bf16, measure_slowdown, slowdown_warning
 from lit_speed.precision.skip_aware_scheduler import SkipAwareScheduler
+from lit_speed.precision.step_timing import auto_mode_for
 
 _WARNED_SLOW: set[torch.dtype] = set()  # the slowness warning is shown once per process and dtype
 
@@ -107,13 +108,15 @@ class GuardedPrecision(Precision):
 
     # ---- setup -------------------------------------------------------------------------------------------
 
-    def _resolve(self, device_type: str, probe: bool) -> tuple[str, str]:
+    def _resolve(self, device_type: str, probe: bool, module: nn.Module | None = None) -> tuple[str, str]:
         if self.requested_mode != "auto":
             return self.requested_mode, "requested"
-        slowdown = measure_slowdown(torch.bfloat16) if probe and device_type == "cpu" and cpu_has_native_bf16() \
-            else None
-        return modes.choose_auto_mode(device_type, _cuda_bf16(), cpu_has_native_bf16(), slowdown,
-                                      self.max_cpu_slowdown)
+        cpu_probe = probe and device_type == "cpu" and cpu_has_native_bf16()
+        rule = modes.choose_auto_mode(device_type, _cuda_bf16(), cpu_has_native_bf16(), measure_slowdown(
+            torch.bfloat16) if cpu_probe else None, self.max_cpu_slowdown)  # the matmul probe filters, then
+        timed = auto_mode_for(module, modes.TIMED_CANDIDATES) if cpu_probe and module is not None and \
+            rule[0] != "32-true" else None  # this model's own step is timed in each candidate mode
+        return timed or rule
 
     def _setup(self, module: nn.Module) -> None:
         """Resolve the device and mode, check the combination, build the scaler (idempotent)."""
@@ -124,7 +127,7 @@ class GuardedPrecision(Precision):
         else:
             self.device_type = next((p.device.type for p in module.parameters()), "cpu")
         if not self._resolved:
-            self.mode, self.reason = self._resolve(self.device_type, probe=True)
+            self.mode, self.reason = self._resolve(self.device_type, probe=True, module=module)
             bf16_ok = _cuda_bf16() if self.device_type == "cuda" else cpu_has_native_bf16()
             self._chain = list(self._user_chain) if self._user_chain is not None else \
                 modes.default_chain(self.mode, bf16_ok)
@@ -388,12 +391,3 @@ def _trainer_of(module: nn.Module) -> "pl.Trainer | None":
     except RuntimeError:  # not attached to a Trainer (used outside fit/validate)
         return None
 
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)

@@ -16,6 +16,8 @@ MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "bf16-master", "auto"
 CHAIN_MODES = ("16-mixed", "bf16-mixed", "32-true")
 #: ``precision/mode`` is logged as a number (loggers take floats); the code of each mode.
 MODE_CODES = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 2, "bf16-true": 3, "bf16-master": 4}
+#: Modes ``auto`` times on the user's own step (CPU with native bf16); the fastest finite one is chosen.
+TIMED_CANDIDATES = ("32-true", "bf16-master", "bf16-mixed")
 NONFINITE_POLICIES = ("skip", "fallback", "raise")
 DEVICE_TYPES = ("cpu", "cuda")
 
