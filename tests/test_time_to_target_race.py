@@ -43,7 +43,6 @@ def test_mean_token_loss_does_not_depend_on_the_validation_batch_size() -> None:
     assert len(dm.val_dataset) == 512  # the fixed windows every variant validates on
 
 
-@pytest.mark.slow
 def test_plain_loop_and_lightning_are_checked_at_the_same_tokens_on_the_same_windows(tmp_path: Path) -> None:
     probe = TokenCadenceProbe(None, every_tokens=1536, target=None)
     plain_loop.train(plain_loop.LoopConfig(max_steps=4, val_every=0, cache_dir=CACHE, constant_lr=True, lr=1e-3),
