@@ -133,7 +133,7 @@ class FixedValidationClock(Callback):
 
     Example::
 
-        # python scripts/train.py experiment=charlm_fast +callbacks.clock._target_=lit_speed.reporting.FixedValidationClock
+        # python scripts/train.py experiment=charlm_fast +callbacks.clock._target_=lit_speed.reporting.fixed_validation.FixedValidationClock
         #     +callbacks.clock.target=1.8 +callbacks.clock.every_tokens=76800 +callbacks.clock.out_path=clock.json
     """
 
