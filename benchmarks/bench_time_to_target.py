@@ -105,7 +105,8 @@ def child_plain_loop(seed: int, steps: int, target: float, every_tokens: int, ou
     Path(out).write_text(json.dumps(probe.summary()))
 
 
-def lit_speed_command(seed: int, steps: int | None, target: float, every_tokens: int, out: str, run_dir: str) -> list[str]:
+def lit_speed_command(seed: int, steps: int | None, target: float, every_tokens: int, out: str,
+                      run_dir: str) -> list[str]:
     """The preset as a user runs it, plus the shared instrument and Lightning's own validation off."""
     cmd = [sys.executable, "scripts/train.py", "experiment=charlm_fast", f"seed={seed}", "validate=false",
            "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
@@ -152,7 +153,8 @@ def ratio(summary: dict[str, Any], a: str, b: str) -> float | None:
 def cpu_details() -> dict[str, Any]:
     import torch
 
-    info: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    info: dict[str, Any] = {"torch_threads": torch.get_num_threads(),
+                            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     try:
         flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
         info["cpu_flags"] = flags.split(":", 1)[1].split()
@@ -218,7 +220,8 @@ def main() -> None:
     summary = summarize(runs)
     ratios = {"lit_speed/plain_lightning": ratio(summary, "lit_speed", "plain_lightning"),
               "lit_speed/plain_lightning_same_recipe": ratio(summary, "lit_speed", "plain_lightning_same_recipe"),
-              "plain_lightning_same_recipe/plain_lightning": ratio(summary, "plain_lightning_same_recipe", "plain_lightning"),
+              "plain_lightning_same_recipe/plain_lightning": ratio(summary, "plain_lightning_same_recipe",
+                                                                   "plain_lightning"),
               "plain_loop/plain_lightning": ratio(summary, "plain_loop", "plain_lightning")}
     for name in names:
         t, st = summary[name]["time_to_target_s"], summary[name]["steps_to_target"]

@@ -133,11 +133,13 @@ class FixedValidationClock(Callback):
 
     Example::
 
-        # python scripts/train.py experiment=charlm_fast +callbacks.clock._target_=lit_speed.reporting.fixed_validation.FixedValidationClock
+        # python scripts/train.py experiment=charlm_fast \
+        #     +callbacks.clock._target_=lit_speed.reporting.fixed_validation.FixedValidationClock \
         #     +callbacks.clock.target=1.8 +callbacks.clock.every_tokens=76800 +callbacks.clock.out_path=clock.json
     """
 
-    def __init__(self, target: float, every_tokens: int = 76_800, out_path: str | None = None, stop: bool = True) -> None:
+    def __init__(self, target: float, every_tokens: int = 76_800, out_path: str | None = None,
+                 stop: bool = True) -> None:
         self.target = float(target)
         self.every_tokens = int(every_tokens)
         self.out_path = out_path
