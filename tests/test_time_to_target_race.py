@@ -80,3 +80,11 @@ def test_lit_speed_variant_is_the_preset_command_with_the_shared_instrument() ->
     assert "+callbacks.clock.every_tokens=76800" in cmd and not any(c.startswith("trainer.max_steps") for c in cmd)
     recipe = bench.preset_recipe()
     assert recipe["batch_size"] >= 1 and recipe["lr"] > 0 and recipe["max_steps"] >= 1
+
+
+def test_png_of_val_loss_against_wall_seconds_is_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    history = [{"tokens": 76800 * i, "step": 100 * i, "wall_s": 10.0 * i, "val_loss": 2.5 - 0.2 * i} for i in range(1, 5)]
+    bench.plot({"lit_speed": [{"history": history}], "plain_lightning": [{"history": history[:2]}]}, 1.8,
+               tmp_path / "race.png")
+    assert (tmp_path / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
