@@ -120,6 +120,11 @@ def check_strategy(mode: str, strategy: Any) -> None:
             "precision over: DeepSpeed runs its own loss scaler, backward and step, so this plugin would "
             "double-scale or bypass it. Fix: strategy=zero1|zero2|zero3 (lit_speed.ZeroStrategy configures "
             "DeepSpeed's bf16/fp16 from this plugin), or drop the plugin and pass Trainer(precision=...).")
+    if mode == "bf16-master" and names & {"DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
+        raise ValueError(
+            f"precision.mode='bf16-master' runs on one process for now: its gradient hook moves each bf16 gradient "
+            f"into the float32 master before {type(strategy).__name__} could all-reduce it. Fix: precision=bf16-mixed "
+            f"(float32 weights, autocast) for multi-process runs, or strategy=auto on one device.")
     if mode == "16-mixed" and names & {"FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
         raise ValueError(
             f"precision.mode='16-mixed' needs loss scaling, which GuardedPrecision cannot do under "
