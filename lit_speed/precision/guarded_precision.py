@@ -133,6 +133,8 @@ class GuardedPrecision(Precision):
                 modes.default_chain(self.mode, bf16_ok)
             self._start_mode = self.mode
             self._resolved = True
+            if self.requested_mode == "auto":  # the start-up table is printed before fit: show the decision here
+                rank_zero_info(f"GuardedPrecision: precision=auto -> {self.mode} ({self.reason})")
         modes.check_device_support(self.mode, self.device_type, _cuda_bf16())
         if self.device_type == "cpu" and self.requested_mode != "auto":
             self._warn_if_slow(modes.compute_dtype(self.mode))
