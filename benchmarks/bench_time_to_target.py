@@ -1,24 +1,24 @@
-"""Time to a target charlm val loss: lit_speed's fastest preset vs plain Lightning defaults vs a plain loop.
+"""Time from process launch to charlm val/loss <= 1.80: lit_speed's preset vs plain Lightning vs a plain loop.
 
-    python benchmarks/bench_time_to_target.py [--target 2.4] [--repeats 2] [--max-steps 1000]
+    python benchmarks/bench_time_to_target.py                          # the race: 4 variants x 3 seeds
+    python benchmarks/bench_time_to_target.py --steps 60 --seeds 1 --variants plain_loop,lit_speed \\
+        --every-tokens 7680 --target 3.0                              # smoke mode: no JSON/LOG/PNG written
 
-Same model (the experiment=charlm_cpu GPT: 4 layers, 4 heads, 128 embd, block 64) and the same corpus
-in every variant, each in its own fresh process:
+Same GPT (4 layers, 4 heads, 128 embd, block 64) and corpus in every variant, each a fresh process,
+interleaved over seeds (the variant order rotates per seed):
 
-- ``lit_speed``: ``scripts/train.py experiment=charlm_fast`` (the preset, as a user runs it).
-- ``lightning``: GPTModule with the charlm_cpu recipe (batch 12, AdamW lr 3e-3 with torch's default
-  implementation, warm-up + cosine) in ``Trainer(accelerator="cpu")`` with Lightning's defaults
-  (checkpointing, logger, progress bar, model summary, sanity check).
-- ``lightning_fast_recipe``: the same plain Lightning run with charlm_fast's batch size and peak LR (read
-  from conf/experiment/charlm_fast.yaml): how much of the preset's gain is its recipe, not lit_speed.
-- ``plain_loop``: benchmarks/plain_loop.py with the same recipe as ``lightning``, no framework.
+- ``lit_speed``: ``scripts/train.py experiment=charlm_fast`` (the preset, one command, its own horizon).
+- ``plain_lightning``: a plain LightningModule, AdamW lr 1e-3 constant, betas 0.9/0.99, wd 0.1, batch 12,
+  fp32, ``Trainer`` defaults (checkpointing, logger, progress bar), no lit_speed component.
+- ``plain_lightning_same_recipe``: plain Lightning with charlm_fast's micro-batch, AdamW LR and LR schedule
+  (read from its YAML) but none of lit_speed's components: what the components add beyond tuning.
+- ``plain_loop``: benchmarks/plain_loop.py with the plain_lightning recipe, no framework.
 
-The measuring instrument is identical for all three: validation every 25 training batches on the same
-4 x 64 validation windows; the clock starts at fit start (loop start for the plain loop), so it
-includes validation, checkpointing and any compilation; a run stops at its first validation with
-val/loss <= target. ``--max-steps`` is also the cosine-schedule horizon of the baselines.
-Reported: median wall seconds, process CPU seconds (run with OMP_NUM_THREADS=1 on a shared machine: CPU
-time is then the steadier measure) and optimizer steps to target over ``--repeats`` (interleaved), and ratios.
+The instrument is identical in every variant (:class:`lit_speed.reporting.FixedValidationClock`): the same
+512 evenly spaced validation windows, every ``--every-tokens`` training tokens (76,800 = 100 steps at
+batch 12), Lightning's own validation off; the clock starts at process launch (imports, data, compile,
+validation and checkpoints count). A run stops at the first validation <= target; one that does not get
+there within its budget reports its best value and "not reached".
 """
 from __future__ import annotations
 
@@ -28,153 +28,222 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import _common  # noqa: F401 - puts the repository on sys.path
 from _common import ROOT, stats, write_result
 
-VAL_EVERY, VAL_BATCHES = 25, 4
 CACHE = str(ROOT / ".cache" / "charlm")
+VARIANTS = ("lit_speed", "plain_lightning", "plain_lightning_same_recipe", "plain_loop")
+PLAIN_RECIPE = {"batch_size": 12, "lr": 1e-3, "schedule": None}
 
 
-def fast_recipe() -> dict[str, Any]:
-    """Batch size and peak LR of ``experiment=charlm_fast`` (from its YAML, so they cannot drift)."""
-    from omegaconf import OmegaConf
+def preset_recipe() -> dict[str, Any]:
+    """charlm_fast's micro-batch, AdamW LR and LR schedule (from its YAML, so they cannot drift)."""
+    from hydra import compose, initialize_config_dir
 
-    cfg = OmegaConf.load(ROOT / "conf" / "experiment" / "charlm_fast.yaml")
-    return {"batch_size": int(cfg.data.batch_size), "lr": float(cfg.optimizer.lr)}
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=charlm_fast"])
+    sched = cfg.model.get("scheduler")
+    lr = cfg.optimizer.get("adamw_lr", cfg.optimizer.lr)  # muon keeps AdamW's LR for embeddings/head apart
+    return {"batch_size": int(cfg.data.batch_size), "lr": float(lr), "max_steps": int(cfg.trainer.max_steps),
+            "schedule": None if sched is None else {k: v for k, v in sched.items() if k != "_partial_"}}
 
 
-def child_lightning(target: float, max_steps: int, batch_size: int = 12, lr: float = 0.003) -> dict[str, Any]:
-    import functools
-
+def child_lightning(seed: int, steps: int, target: float, every_tokens: int, out: str, recipe: dict[str, Any]) -> None:
+    """A plain LightningModule around the same GPT: no lit_speed component but the instrument."""
+    import hydra
     import lightning.pytorch as pl
     import torch
+    import torch.nn.functional as F
 
     from lit_speed.data.charlm import CharLMDataModule
-    from lit_speed.models.gpt import GPTModule
-    from lit_speed.models.optim import warmup_cosine
-    from lit_speed.reporting import TimeToTarget
+    from lit_speed.models.gpt import GPT
+    from lit_speed.models.optim import param_groups
+    from lit_speed.reporting.fixed_validation import FixedValidationClock
 
-    pl.seed_everything(42)
-    dm = CharLMDataModule(cache_dir=CACHE, block_size=64, batch_size=batch_size)
-    model = GPTModule(block_size=64, n_layer=4, n_head=4, n_embd=128,
-                      optimizer=functools.partial(torch.optim.AdamW, lr=lr, betas=(0.9, 0.99)),
-                      scheduler=functools.partial(warmup_cosine, warmup_steps=20, min_lr_ratio=0.1))
-    timer = TimeToTarget(target=target, monitor="val/loss", mode="min", stop=True)
+    class PlainGPT(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GPT(97, 64, 4, 4, 128)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            logits = self(x)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(param_groups(self.model, 0.1), lr=recipe["lr"], betas=(0.9, 0.99))
+            if recipe["schedule"] is None:
+                return opt
+            sched = hydra.utils.instantiate({**recipe["schedule"], "_partial_": True})(
+                opt, total_steps=recipe.get("max_steps", steps))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    pl.seed_everything(seed)
+    dm = CharLMDataModule(cache_dir=CACHE, block_size=64, batch_size=recipe["batch_size"])
+    clock = FixedValidationClock(target=target, every_tokens=every_tokens, out_path=out)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, val_check_interval=VAL_EVERY,
-                             limit_val_batches=VAL_BATCHES, callbacks=[timer], default_root_dir=tmp)
-        trainer.fit(model, datamodule=dm)
-    return {"time_to_target_s": timer.time_to_target_s, "cpu_time_to_target_s": timer.cpu_time_to_target_s,
-            "target_step": timer.target_step, "final_val": float(trainer.callback_metrics["val/loss"]), "steps": trainer.global_step}
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0,
+                             callbacks=[clock], default_root_dir=tmp)
+        trainer.fit(PlainGPT(), datamodule=dm)
 
 
-def child_plain(target: float, max_steps: int) -> dict[str, Any]:
+def child_plain_loop(seed: int, steps: int, target: float, every_tokens: int, out: str) -> None:
     import plain_loop
 
-    cfg = plain_loop.LoopConfig(max_steps=max_steps, val_every=VAL_EVERY, val_batches=VAL_BATCHES, target=target,
-                                cache_dir=CACHE)
-    result = plain_loop.train(cfg)
-    return {"time_to_target_s": result.time_to_target_s, "cpu_time_to_target_s": result.cpu_time_to_target_s,
-            "target_step": result.target_step,
-            "final_val": result.val_history[-1][2] if result.val_history else None, "steps": result.steps}
+    from lit_speed.reporting.fixed_validation import TokenCadenceProbe
+
+    probe = TokenCadenceProbe(None, every_tokens, target)
+    cfg = plain_loop.LoopConfig(max_steps=steps, val_every=0, seed=seed, cache_dir=CACHE, lr=PLAIN_RECIPE["lr"],
+                                batch_size=PLAIN_RECIPE["batch_size"], constant_lr=True)
+    plain_loop.train(cfg, probe=probe)
+    Path(out).write_text(json.dumps(probe.summary()))
 
 
-def run_lit_speed(target: float, max_steps: int) -> dict[str, Any]:
+def lit_speed_command(seed: int, steps: int | None, target: float, every_tokens: int, out: str,
+                      run_dir: str) -> list[str]:
+    """The preset as a user runs it, plus the shared instrument and Lightning's own validation off."""
+    cmd = [sys.executable, "scripts/train.py", "experiment=charlm_fast", f"seed={seed}", "validate=false",
+           "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
+           "+callbacks.clock._target_=lit_speed.reporting.fixed_validation.FixedValidationClock",
+           f"+callbacks.clock.target={target}", f"+callbacks.clock.every_tokens={every_tokens}",
+           f"+callbacks.clock.out_path={out}", f"hydra.run.dir={run_dir}"]
+    return cmd + ([f"trainer.max_steps={steps}"] if steps is not None else [])
+
+
+def run_variant(name: str, seed: int, steps: int | None, target: float, every_tokens: int) -> dict[str, Any]:
+    """One fresh process; returns the instrument's summary (history of val loss vs wall seconds)."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "scripts/train.py", "experiment=charlm_fast", f"trainer.max_steps={max_steps}",
-               f"trainer.val_check_interval={VAL_EVERY}", f"trainer.limit_val_batches={VAL_BATCHES}",
-               "trainer.enable_progress_bar=false", "validate=false",
-               "+callbacks.time_to_target._target_=lit_speed.reporting.TimeToTarget",
-               f"+callbacks.time_to_target.target={target}", "+callbacks.time_to_target.stop=true",
-               f"hydra.run.dir={tmp}"]
+        out = str(Path(tmp) / "clock.json")
+        if name == "lit_speed":
+            cmd = lit_speed_command(seed, steps, target, every_tokens, out, tmp)
+        else:
+            cmd = [sys.executable, __file__, "--child", name, "--seed", str(seed), "--target", str(target),
+                   "--every-tokens", str(every_tokens), "--out", out, "--steps", str(steps or 3000)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"experiment=charlm_fast failed:\n{proc.stderr[-3000:]}")
-        summary = json.loads((Path(tmp) / "summary.json").read_text())
-    t = summary["components"]["TimeToTarget"]
-    return {"time_to_target_s": t["time_to_target_s"], "cpu_time_to_target_s": t.get("cpu_time_to_target_s"),
-            "target_step": t["target_step"],
-            "final_val": summary["final_metrics"].get("val/loss"), "steps": summary["global_step"]}
+        if proc.returncode != 0 or not Path(out).exists():
+            raise RuntimeError(f"{name} (seed {seed}) failed:\n{proc.stderr[-3000:]}")
+        return json.loads(Path(out).read_text())
 
 
-def run_child(kind: str, target: float, max_steps: int) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, __file__, "--child", kind, "--target", str(target),
-                           "--max-steps", str(max_steps)], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{kind} child failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Median and spread of time/steps/tokens to target per variant (over the runs that reached it)."""
+    summary: dict[str, Any] = {}
+    for name, outs in runs.items():
+        reached = [o for o in outs if o["time_to_target_s"] is not None]
+        summary[name] = {"reached": f"{len(reached)}/{len(outs)}",
+                         "time_to_target_s": stats([o["time_to_target_s"] for o in reached]) if reached else None,
+                         "steps_to_target": stats([o["target_step"] for o in reached]) if reached else None,
+                         "tokens_to_target": stats([o["target_tokens"] for o in reached]) if reached else None,
+                         "best_val_loss": min((o["best_val_loss"] for o in outs if o["best_val_loss"] is not None),
+                                              default=None)}
+    return summary
 
 
-VARIANTS = {"lit_speed": run_lit_speed,
-            "lightning": lambda t, m: run_child("lightning", t, m),
-            "lightning_fast_recipe": lambda t, m: run_child("lightning_fast_recipe", t, m),
-            "plain_loop": lambda t, m: run_child("plain", t, m)}
+def ratio(summary: dict[str, Any], a: str, b: str) -> float | None:
+    ta, tb = summary.get(a, {}).get("time_to_target_s"), summary.get(b, {}).get("time_to_target_s")
+    return round(ta["median"] / tb["median"], 3) if ta and tb else None
+
+
+def cpu_details() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"torch_threads": torch.get_num_threads(),
+                            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    try:
+        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+        info["cpu_flags"] = flags.split(":", 1)[1].split()
+    except (OSError, StopIteration):
+        info["cpu_flags"] = []
+    return info
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, outs) in enumerate(runs.items()):
+        for j, out in enumerate(outs):
+            hist = out["history"]
+            ax.plot([h["wall_s"] for h in hist], [h["val_loss"] for h in hist], color=f"C{i}", alpha=0.8,
+                    label=name if j == 0 else None)
+    ax.axhline(target, color="k", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("wall seconds since process launch")
+    ax.set_ylabel("val/loss (512 fixed windows)")
+    ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=float, default=2.4)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--max-steps", type=int, default=1000)
-    parser.add_argument("--child", choices=["lightning", "lightning_fast_recipe", "plain"], default=None)
+    parser.add_argument("--target", type=float, default=1.80)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="step budget of every variant (default: 3000 for the references, the preset's own "
+                             "horizon for lit_speed); setting it is smoke mode: nothing is written")
+    parser.add_argument("--every-tokens", type=int, default=76_800)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--child", choices=VARIANTS[1:], default=None)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.child:
-        if args.child == "plain":
-            out = child_plain(args.target, args.max_steps)
+        if args.child == "plain_loop":
+            child_plain_loop(args.seed, args.steps, args.target, args.every_tokens, args.out)
         else:
-            out = child_lightning(args.target, args.max_steps,
-                                  **(fast_recipe() if args.child == "lightning_fast_recipe" else {}))
-        print(json.dumps(out))
+            recipe = preset_recipe() if args.child == "plain_lightning_same_recipe" else PLAIN_RECIPE
+            child_lightning(args.seed, args.steps, args.target, args.every_tokens, args.out, recipe)
         return
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     load_start = os.getloadavg()
-    names = list(VARIANTS)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    for r in range(args.repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            out = VARIANTS[name](args.target, args.max_steps)
-            out["process_wall_s"] = round(time.perf_counter() - t0, 2)
+    for s in range(args.seeds):
+        seed = 42 + s
+        for name in names[s % len(names):] + names[:s % len(names)]:
+            out = run_variant(name, seed, args.steps, args.target, args.every_tokens)
             runs[name].append(out)
-            print(f"repeat {r} {name:10s} {out}", flush=True)
-    summary: dict[str, Any] = {}
+            print(f"seed {seed} {name:28s} reached={out['reached']} t={out['time_to_target_s']} "
+                  f"step={out['target_step']} best={out['best_val_loss']:.4f}", flush=True)
+    summary = summarize(runs)
+    ratios = {"lit_speed/plain_lightning": ratio(summary, "lit_speed", "plain_lightning"),
+              "lit_speed/plain_lightning_same_recipe": ratio(summary, "lit_speed", "plain_lightning_same_recipe"),
+              "plain_lightning_same_recipe/plain_lightning": ratio(summary, "plain_lightning_same_recipe",
+                                                                   "plain_lightning"),
+              "plain_loop/plain_lightning": ratio(summary, "plain_loop", "plain_lightning")}
     for name in names:
-        reached = [o for o in runs[name] if o["time_to_target_s"] is not None]
-        summary[name] = {"reached": f"{len(reached)}/{len(runs[name])}",
-                         "time_to_target_s": stats([o["time_to_target_s"] for o in reached]) if reached else None,
-                         "cpu_time_to_target_s": stats([o["cpu_time_to_target_s"] for o in reached]) if reached else None,
-                         "steps_to_target": stats([o["target_step"] for o in reached]) if reached else None,
-                         "process_wall_s": stats([o["process_wall_s"] for o in runs[name]])}
-
-    def ratio(a: str, b: str, key: str = "time_to_target_s") -> float | None:
-        ta, tb = summary[a][key], summary[b][key]
-        return round(ta["median"] / tb["median"], 3) if ta and tb else None
-
-    ratios = {"lit_speed/lightning": ratio("lit_speed", "lightning"), "plain_loop/lightning": ratio("plain_loop", "lightning"),
-              "cpu lit_speed/lightning": ratio("lit_speed", "lightning", "cpu_time_to_target_s"),
-              "cpu plain_loop/lightning": ratio("plain_loop", "lightning", "cpu_time_to_target_s"),
-              "lightning_fast_recipe/lightning": ratio("lightning_fast_recipe", "lightning"),
-              "lit_speed/lightning_fast_recipe": ratio("lit_speed", "lightning_fast_recipe"),
-              "cpu lit_speed/lightning_fast_recipe": ratio("lit_speed", "lightning_fast_recipe",
-                                                           "cpu_time_to_target_s")}
-    results = {"target_val_loss": args.target, "max_steps": args.max_steps, "repeats": args.repeats,
-               "val_every": VAL_EVERY, "val_batches": VAL_BATCHES, "summary": summary, "ratios": ratios,
-               "runs": runs, "load_average_start_end": [load_start, os.getloadavg()]}
-    for name in names:
-        t = summary[name]["time_to_target_s"]
-        s = summary[name]["steps_to_target"]
-        print(f"{name:22s} reached {summary[name]['reached']}: "
-              + (f"{t['median']:.1f} s (min {t['min']:.1f}, max {t['max']:.1f}), {s['median']:.0f} steps" if t else "n/a"))
-    print(f"ratios (time to target): {ratios}  (target: lit_speed/lightning <= 0.5)")
+        t, st = summary[name]["time_to_target_s"], summary[name]["steps_to_target"]
+        print(f"{name:28s} reached {summary[name]['reached']}: " + (
+            f"{t['median']:.1f} s (min {t['min']:.1f}, max {t['max']:.1f}), {st['median']:.0f} steps"
+            if t else f"not reached (best {summary[name]['best_val_loss']})"))
+    print(f"ratios (median time to target): {ratios}  (goal: lit_speed/plain_lightning <= 0.5, "
+          f"lit_speed/plain_lightning_same_recipe <= 0.77)")
+    if args.steps is not None:
+        print("smoke mode (--steps given): no JSON, LOG.md line or PNG written")
+        return
+    results = {"target_val_loss": args.target, "seeds": args.seeds, "every_tokens": args.every_tokens,
+               "reference_budget_steps": 3000, "preset": preset_recipe(), "summary": summary, "ratios": ratios,
+               "runs": runs, "cpu": cpu_details(), "load_average_start_end": [load_start, os.getloadavg()]}
+    png = ROOT / "benchmarks" / "results" / "time_to_target.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot(runs, args.target, png)
     write_result("time_to_target", results,
-                 f"charlm val/loss <= {args.target}, {args.repeats} repeats: experiment=charlm_fast / plain Lightning "
-                 f"= x{ratios['lit_speed/lightning']} (same recipe in plain Lightning: x{ratios['lightning_fast_recipe/lightning']}), "
-                 f"plain loop / Lightning = x{ratios['plain_loop/lightning']}; "
-                 f"steps " + ", ".join(f"{n} {summary[n]['steps_to_target']['median']:.0f}" if summary[n]['steps_to_target']
-                                       else f"{n} n/a" for n in names) + f"; load avg {os.getloadavg()[0]:.1f}")
+                 f"charlm val/loss <= {args.target}, clock from launch, {args.seeds} seeds: charlm_fast / plain "
+                 f"Lightning = x{ratios['lit_speed/plain_lightning']}, / same recipe = "
+                 f"x{ratios['lit_speed/plain_lightning_same_recipe']}, plain loop / Lightning = "
+                 f"x{ratios['plain_loop/plain_lightning']}; load avg {os.getloadavg()[0]:.1f}; PNG {png.name}")
 
 
 if __name__ == "__main__":

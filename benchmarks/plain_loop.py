@@ -44,6 +44,7 @@ class LoopConfig:
     fused: bool | None = None     # AdamW fused kernel; None = torch's default implementation
     seed: int = 42
     cache_dir: str = ".cache/charlm"
+    constant_lr: bool = False     # True: no warm-up/cosine (the plain_lightning reference recipe of the race)
 
 
 @dataclass
@@ -70,7 +71,8 @@ def build(cfg: LoopConfig) -> tuple[GPT, torch.optim.Optimizer, Any, CharLMDataM
     dm.setup("fit")
     model = GPT(97, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, dropout=0.0, bias=False)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, fused=cfg.fused)
-    sched = warmup_cosine(opt, cfg.max_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0) if cfg.constant_lr else \
+        warmup_cosine(opt, cfg.max_steps, cfg.warmup_steps, cfg.min_lr_ratio)
     return model, opt, sched, dm
 
 
@@ -88,10 +90,26 @@ def validate(model: GPT, dm: CharLMDataModule, batches: int) -> float:
     return float(torch.stack(losses).mean())
 
 
-def train(cfg: LoopConfig) -> LoopResult:
-    """Train for ``cfg.max_steps`` (or until ``cfg.target``); the clock starts before the first batch."""
+def _probe_eval(model: GPT, dm: CharLMDataModule, probe: Any) -> float:
+    from lit_speed.reporting.fixed_validation import mean_token_loss
+
+    model.eval()
+    try:
+        return mean_token_loss(model, probe.dataset, probe.batch_size)
+    finally:
+        model.train()
+
+
+def train(cfg: LoopConfig, probe: Any = None) -> LoopResult:
+    """Train for ``cfg.max_steps`` (or until ``cfg.target``); the clock starts before the first batch.
+
+    ``probe``: a :class:`lit_speed.reporting.fixed_validation.TokenCadenceProbe` called after every batch
+    (the time-to-target race's shared instrument); training stops when it reports the target met.
+    """
     model, opt, sched, dm = build(cfg)
     result = LoopResult()
+    if probe is not None and probe.dataset is None:
+        probe.dataset = dm.val_dataset
     start, cpu_start = time.perf_counter(), time.process_time()
     step = 0
     while step < cfg.max_steps:
@@ -103,6 +121,9 @@ def train(cfg: LoopConfig) -> LoopResult:
             opt.step()
             sched.step()
             step += 1
+            if probe is not None and probe.after_batch(batch[0].numel(), step, lambda: _probe_eval(model, dm, probe)):
+                result.target_step = step
+                break
             if cfg.val_every and step % cfg.val_every == 0:
                 val = validate(model, dm, cfg.val_batches)
                 result.val_history.append((step, time.perf_counter() - start, val))

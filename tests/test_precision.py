@@ -20,7 +20,7 @@ from lit_speed.precision.skip_aware_scheduler import SkipAwareScheduler, unwrap
 
 # ---- modes and validation -----------------------------------------------------------------------------------
 def test_unknown_mode_names_the_setting_and_choices() -> None:
-    with pytest.raises(ValueError, match=r"precision.mode must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, "
+    with pytest.raises(ValueError, match=r"precision.mode must be one of 32-true, bf16-mixed, 16-mixed, bf16-true, bf16-master, "
                                          r"auto; got 'fp8'"):
         GuardedPrecision("fp8")
 

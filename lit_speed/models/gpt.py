@@ -145,4 +145,5 @@ class GPTModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self.model, self.optimizer_factory, self.scheduler_factory,
-                                    self.hparams.weight_decay, self.trainer.estimated_stepping_batches)
+                                    self.hparams.weight_decay, self.trainer.estimated_stepping_batches,
+                                    self.trainer.strategy)

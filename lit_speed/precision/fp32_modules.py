@@ -6,6 +6,8 @@ output is cast back to bf16 so the next layer gets the dtype it expects.
 """
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any, Sequence
 
 import torch
@@ -83,3 +85,13 @@ class Float32Islands:
         if self._contexts:  # LIFO: nested float32 modules exit in reverse order of entry
             self._contexts.pop().__exit__(None, None, None)
         return output if self.output_dtype is None else _cast(output, self.output_dtype)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

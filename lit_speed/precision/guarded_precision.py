@@ -14,10 +14,12 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lit_speed.precision import modes
-from lit_speed.precision.fp32_modules import Float32Islands, _cast, match_modules
+from lit_speed.precision.fp32_modules import Float32Islands, _cast, _default_dtype, match_modules
+from lit_speed.precision.master_weights import MasterWeights
 from lit_speed.precision.nonfinite import Action, GuardCounters, all_finite, decide, first_nonfinite, is_genuine
 from lit_speed.precision.probe import DEFAULT_MAX_SLOWDOWN, cpu_has_native_bf16, measure_slowdown, slowdown_warning
 from lit_speed.precision.skip_aware_scheduler import SkipAwareScheduler
+from lit_speed.precision.step_timing import auto_mode_for
 
 _WARNED_SLOW: set[torch.dtype] = set()  # the slowness warning is shown once per process and dtype
 
@@ -96,6 +98,8 @@ class GuardedPrecision(Precision):
         self._param_names: dict[int, str] = {}
         self._islands: Float32Islands | None = None
         self._previous_matmul_precision: str | None = None
+        self._master: MasterWeights | None = None  # bf16-master: the float32 masters of the module
+        self._optimizers: list[Optimizer] = []
 
     @property
     def precision(self) -> str:  # type: ignore[override]
@@ -104,13 +108,15 @@ class GuardedPrecision(Precision):
 
     # ---- setup -------------------------------------------------------------------------------------------
 
-    def _resolve(self, device_type: str, probe: bool) -> tuple[str, str]:
+    def _resolve(self, device_type: str, probe: bool, module: nn.Module | None = None) -> tuple[str, str]:
         if self.requested_mode != "auto":
             return self.requested_mode, "requested"
-        slowdown = measure_slowdown(torch.bfloat16) if probe and device_type == "cpu" and cpu_has_native_bf16() \
-            else None
-        return modes.choose_auto_mode(device_type, _cuda_bf16(), cpu_has_native_bf16(), slowdown,
-                                      self.max_cpu_slowdown)
+        cpu_probe = probe and device_type == "cpu" and cpu_has_native_bf16()
+        rule = modes.choose_auto_mode(device_type, _cuda_bf16(), cpu_has_native_bf16(), measure_slowdown(
+            torch.bfloat16) if cpu_probe else None, self.max_cpu_slowdown)  # the matmul probe filters, then
+        timed = auto_mode_for(module, modes.TIMED_CANDIDATES) if cpu_probe and module is not None and \
+            rule[0] != "32-true" else None  # this model's own step is timed in each candidate mode
+        return timed or rule
 
     def _setup(self, module: nn.Module) -> None:
         """Resolve the device and mode, check the combination, build the scaler (idempotent)."""
@@ -121,12 +127,14 @@ class GuardedPrecision(Precision):
         else:
             self.device_type = next((p.device.type for p in module.parameters()), "cpu")
         if not self._resolved:
-            self.mode, self.reason = self._resolve(self.device_type, probe=True)
+            self.mode, self.reason = self._resolve(self.device_type, probe=True, module=module)
             bf16_ok = _cuda_bf16() if self.device_type == "cuda" else cpu_has_native_bf16()
             self._chain = list(self._user_chain) if self._user_chain is not None else \
                 modes.default_chain(self.mode, bf16_ok)
             self._start_mode = self.mode
             self._resolved = True
+            if self.requested_mode == "auto":  # the start-up table is printed before fit: show the decision here
+                rank_zero_info(f"GuardedPrecision: precision=auto -> {self.mode} ({self.reason})")
         modes.check_device_support(self.mode, self.device_type, _cuda_bf16())
         if self.device_type == "cpu" and self.requested_mode != "auto":
             self._warn_if_slow(modes.compute_dtype(self.mode))
@@ -155,6 +163,8 @@ class GuardedPrecision(Precision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         self._setup(module)
+        if self.mode == "bf16-master" and (self._master is None or self._master.module is not module):
+            self._master = MasterWeights(module)  # masters from the (restored) float32 weights, module -> bf16
         return module.to(torch.bfloat16) if self.mode == "bf16-true" else module
 
     @override
@@ -162,6 +172,9 @@ class GuardedPrecision(Precision):
                 ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         self._setup(model)
         self._param_names = {id(p): n for n, p in model.named_parameters()}
+        self._optimizers = list(optimizers)
+        if self._master is not None:  # the optimizers step the float32 masters; the guard names them
+            self._param_names.update(self._master.attach(optimizers))
         if self.fp32_modules:
             self._islands = Float32Islands(self.device_type or "cpu",
                                            torch.bfloat16 if self.mode == "bf16-true" else None)
@@ -197,7 +210,7 @@ class GuardedPrecision(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        return _cast(data, torch.bfloat16) if self.mode == "bf16-true" else data
+        return _cast(data, torch.bfloat16) if self.mode in ("bf16-true", "bf16-master") else data
 
     # ---- backward and step -------------------------------------------------------------------------------
 
@@ -235,6 +248,8 @@ class GuardedPrecision(Precision):
         self.last_step_skipped = action is not Action.STEP
         if action is Action.STEP:
             optimizer.step(**kwargs)
+            if self._master is not None:
+                self._master.copy_to_model()
         if self.scaler is not None:
             self.scaler.update()
             if self.scaler.get_scale() < self.scaler_config["min_scale"]:
@@ -272,6 +287,7 @@ class GuardedPrecision(Precision):
 
     def _fall_back(self, step: int, what: str) -> None:
         old, self.mode = self.mode, self._chain.pop(0)
+        self._release_masters()
         self.reason = f"fell back from {old} at step {step}"
         self.counters.consecutive_bad = 0
         self.counters.fallbacks.append({"step": step, "from": old, "to": self.mode, "reason": what})
@@ -281,6 +297,11 @@ class GuardedPrecision(Precision):
             self.scaler = None
         rank_zero_warn(f"GuardedPrecision: {self.fallback_after} consecutive non-finite steps under {old} (last "
                        f"at step {step}: {what}); continuing in {self.mode}. The checkpoint keeps this mode.")
+
+    def _release_masters(self) -> None:  # left bf16-master: the float32 masters become the weights
+        if self._master is not None and self.mode != "bf16-master":
+            self._master.release(self._optimizers)
+            self._master = None
 
     # ---- telemetry, state, description -------------------------------------------------------------------
 
@@ -321,6 +342,7 @@ class GuardedPrecision(Precision):
         self._resolved = True
         if self.counters.fallbacks:
             self.reason = f"restored from checkpoint: fell back from {self.counters.fallbacks[-1]['from']}"
+        self._release_masters()
         if self.mode != "16-mixed":
             self.scaler = None
         elif "scaler" in state_dict:
@@ -371,12 +393,3 @@ def _trainer_of(module: nn.Module) -> "pl.Trainer | None":
     except RuntimeError:  # not attached to a Trainer (used outside fit/validate)
         return None
 
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)

@@ -9,12 +9,15 @@ from typing import Any, Sequence
 
 import torch
 
-#: Modes a user may ask for (Lightning's own literals, plus ``auto``).
-MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "auto")
+#: Modes a user may ask for (Lightning's own literals, ``bf16-master`` and ``auto``). ``bf16-master``: bf16
+#: module, no autocast, float32 master weights in the optimizer (see ``master_weights.py``).
+MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "bf16-master", "auto")
 #: Modes a fallback chain may move to: mixed modes keep float32 weights, so switching between them is free.
 CHAIN_MODES = ("16-mixed", "bf16-mixed", "32-true")
 #: ``precision/mode`` is logged as a number (loggers take floats); the code of each mode.
-MODE_CODES = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 2, "bf16-true": 3}
+MODE_CODES = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 2, "bf16-true": 3, "bf16-master": 4}
+#: Modes ``auto`` times on the user's own step (CPU with native bf16); the fastest finite one is chosen.
+TIMED_CANDIDATES = ("32-true", "bf16-master", "bf16-mixed")
 NONFINITE_POLICIES = ("skip", "fallback", "raise")
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -26,7 +29,8 @@ def autocast_dtype(mode: str) -> torch.dtype | None:
 
 def compute_dtype(mode: str) -> torch.dtype:
     """The dtype the heavy ops run in: what the slowness probe must time."""
-    return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(
+    return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "bf16-master": torch.bfloat16,
+            "16-mixed": torch.float16}.get(
         mode, torch.float32)
 
 
@@ -67,7 +71,7 @@ def check_device_support(mode: str, device_type: str, cuda_bf16: bool) -> None:
         raise ValueError(f"GuardedPrecision runs on {' or '.join(DEVICE_TYPES)}; the trainer's device is "
                          f"{device_type!r}. Fix: Trainer(accelerator='cpu' or 'gpu'), or use Lightning's own "
                          f"precision plugin for {device_type}.")
-    if device_type == "cuda" and mode in ("bf16-mixed", "bf16-true") and not cuda_bf16:
+    if device_type == "cuda" and mode in ("bf16-mixed", "bf16-true", "bf16-master") and not cuda_bf16:
         raise ValueError(f"precision.mode={mode!r} needs bf16 support, which this CUDA device lacks "
                          f"(torch.cuda.is_bf16_supported() is False; bf16 needs Ampere or newer). "
                          f"Fix: precision=16-mixed (fp16 with loss scaling) or precision=auto.")
@@ -75,6 +79,8 @@ def check_device_support(mode: str, device_type: str, cuda_bf16: bool) -> None:
 
 def default_chain(mode: str, bf16_ok: bool = True) -> list[str]:
     """Modes tried after ``mode`` fails: 16-mixed -> bf16-mixed -> 32-true (bf16 dropped if unsupported)."""
+    if mode == "bf16-master":
+        return ["32-true"]  # the float32 masters become the module's weights
     if mode not in CHAIN_MODES:
         return []
     rest = list(CHAIN_MODES[CHAIN_MODES.index(mode) + 1:])
@@ -114,6 +120,11 @@ def check_strategy(mode: str, strategy: Any) -> None:
             "precision over: DeepSpeed runs its own loss scaler, backward and step, so this plugin would "
             "double-scale or bypass it. Fix: strategy=zero1|zero2|zero3 (lit_speed.ZeroStrategy configures "
             "DeepSpeed's bf16/fp16 from this plugin), or drop the plugin and pass Trainer(precision=...).")
+    if mode == "bf16-master" and names & {"DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
+        raise ValueError(
+            f"precision.mode='bf16-master' runs on one process for now: its gradient hook moves each bf16 gradient "
+            f"into the float32 master before {type(strategy).__name__} could all-reduce it. Fix: precision=bf16-mixed "
+            f"(float32 weights, autocast) for multi-process runs, or strategy=auto on one device.")
     if mode == "16-mixed" and names & {"FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
         raise ValueError(
             f"precision.mode='16-mixed' needs loss scaling, which GuardedPrecision cannot do under "

@@ -1,0 +1,112 @@
+"""``optimizer=muon``: ``torch.optim.Muon`` on 2-D hidden weight matrices, AdamW on everything else.
+
+Muon orthogonalises each matrix's momentum (Newton-Schulz) before the update, which suits the hidden
+Linear layers of a transformer; embeddings, the output head, norms and biases are not matrices of that
+kind and keep AdamW (the split of the GPT-2 speedruns). :func:`split_for_muon` is the plain rule;
+:class:`MuonAdamW` is one ``torch.optim.Optimizer`` over both halves, so Lightning's automatic optimisation,
+LR schedulers (each group keeps its own peak LR), clipping and checkpoints see a single optimizer.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch.optim import AdamW, Muon, Optimizer
+
+#: Parameter names (substrings) that always go to AdamW: embeddings and the output head.
+DEFAULT_ADAMW_NAMES = ("wte", "wpe", "emb", "lm_head", "head")
+
+
+def split_for_muon(names: Sequence[str], params: Sequence[torch.Tensor],
+                   adamw_names: Sequence[str] = DEFAULT_ADAMW_NAMES) -> tuple[list[int], list[int]]:
+    """Indices of the parameters Muon takes (2-D, not an embedding/head by name) and of those AdamW takes."""
+    muon, adamw = [], []
+    for i, (name, p) in enumerate(zip(names, params)):
+        hidden_matrix = p.dim() == 2 and not any(key in name for key in adamw_names)
+        (muon if hidden_matrix else adamw).append(i)
+    return muon, adamw
+
+
+class MuonAdamW(Optimizer):
+    """Muon for hidden matrices, AdamW for the rest, as one optimizer.
+
+    Args:
+        params: Parameter groups with a ``param_names`` list each (``lit_speed.models.optim`` passes them when
+            the optimizer sets ``wants_param_names``), or ``(name, tensor)`` pairs.
+        lr: Muon's peak LR.
+        adamw_lr: AdamW's peak LR (embeddings, head, norms, biases).
+        momentum, nesterov, ns_steps, adjust_lr_fn: ``torch.optim.Muon`` settings.
+        betas, eps: AdamW settings.
+        weight_decay: Used where a group does not set its own.
+        adamw_names: Name substrings that always go to AdamW.
+
+    Raises:
+        ValueError: A parameter without a name, or no parameter for Muon.
+
+    Example::
+
+        opt = MuonAdamW(model.named_parameters(), lr=0.02, adamw_lr=3e-3)
+    """
+
+    wants_param_names = True
+
+    def __init__(self, params: Iterable[Any], lr: float = 0.02, adamw_lr: float = 3e-3, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = None,
+                 betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8, weight_decay: float = 0.0,
+                 adamw_names: Sequence[str] = DEFAULT_ADAMW_NAMES) -> None:
+        groups = _as_named_groups(params, weight_decay)
+        muon_groups, adamw_groups = [], []
+        for group in groups:
+            muon_idx, adamw_idx = split_for_muon(group["param_names"], group["params"], adamw_names)
+            rest = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            for idx, out in ((muon_idx, muon_groups), (adamw_idx, adamw_groups)):
+                if idx:
+                    out.append({**rest, "params": [group["params"][i] for i in idx],
+                                "param_names": [group["param_names"][i] for i in idx]})
+        if not muon_groups:
+            raise ValueError("optimizer=muon found no 2-D hidden weight matrix for Muon (all parameters are "
+                             "embeddings, head, norms or biases). Fix: optimizer=adamw for this model, or adjust "
+                             "optimizer.adamw_names.")
+        self.muon = Muon(muon_groups, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                         adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay)
+        self.adamw = AdamW(adamw_groups, lr=adamw_lr, betas=betas, eps=eps, weight_decay=weight_decay) \
+            if adamw_groups else None
+        self._n_muon = len(self.muon.param_groups)
+        all_groups = self.muon.param_groups + (self.adamw.param_groups if self.adamw else [])
+        super().__init__(all_groups, {})  # the very same group dicts: an LR scheduler reaches both halves
+        self._share_state()
+
+    def _share_state(self) -> None:
+        self.muon.state = self.state  # disjoint parameters: one state dict saves and restores both halves
+        self.muon.param_groups = self.param_groups[:self._n_muon]
+        if self.adamw is not None:
+            self.adamw.state = self.state
+            self.adamw.param_groups = self.param_groups[self._n_muon:]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        if self.adamw is not None:
+            self.adamw.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._share_state()
+
+
+def _as_named_groups(params: Iterable[Any], weight_decay: float) -> list[dict[str, Any]]:
+    items = list(params)
+    if items and isinstance(items[0], tuple):
+        return [{"params": [p for _, p in items], "param_names": [n for n, _ in items], "weight_decay": weight_decay}]
+    groups = [dict(g) for g in items]
+    for g in groups:
+        if "param_names" not in g or len(g["param_names"]) != len(g["params"]):
+            raise ValueError("MuonAdamW needs parameter names to tell hidden matrices from embeddings and the "
+                             "head. Fix: pass model.named_parameters(), or groups with a 'param_names' list.")
+        g["params"] = list(g["params"])
+    return groups
