@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch.optim import AdamW, Muon, Optimizer
+from torch.optim import AdamW, Optimizer
+
+from lit_speed.models.batched_muon import BatchedMuon
 
 #: Parameter names (substrings) that always go to AdamW: embeddings and the output head.
 DEFAULT_ADAMW_NAMES = ("wte", "wpe", "emb", "lm_head", "head")
@@ -35,7 +37,8 @@ class MuonAdamW(Optimizer):
             the optimizer sets ``wants_param_names``), or ``(name, tensor)`` pairs.
         lr: Muon's peak LR.
         adamw_lr: AdamW's peak LR (embeddings, head, norms, biases).
-        momentum, nesterov, ns_steps, adjust_lr_fn: ``torch.optim.Muon`` settings.
+        momentum, nesterov, ns_steps, adjust_lr_fn: ``torch.optim.Muon`` settings (the update runs as
+            :class:`~lit_speed.models.batched_muon.BatchedMuon`: torch's math, batched over same-shape matrices).
         betas, eps: AdamW settings.
         weight_decay: Used where a group does not set its own.
         adamw_names: Name substrings that always go to AdamW.
@@ -67,7 +70,7 @@ class MuonAdamW(Optimizer):
             raise ValueError("optimizer=muon found no 2-D hidden weight matrix for Muon (all parameters are "
                              "embeddings, head, norms or biases). Fix: optimizer=adamw for this model, or adjust "
                              "optimizer.adamw_names.")
-        self.muon = Muon(muon_groups, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+        self.muon = BatchedMuon(muon_groups, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                          adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay)
         self.adamw = AdamW(adamw_groups, lr=adamw_lr, betas=betas, eps=eps, weight_decay=weight_decay) \
             if adamw_groups else None
