@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
               "optimizer_state_bytes": measured_optimizer_state_bytes(trainer.optimizers[0]),
               "num_params": sum(p.numel() for p in model.parameters())}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():  # leave no gloo threads to the interpreter's exit
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, check_worker_options, loader_kwargs,
+from lit_speed.data.pipeline import (BatchFetch, check_worker_options, loader_kwargs,
                                      resolve_num_workers, resolve_pin_memory)
-from lit_speed.data.resumable import ResumableShuffle
+from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
 
 # A fixed vocabulary (tab, newline, printable ASCII) so token ids never depend on corpus content;
 # any other character maps to "?" (index of "?").
@@ -192,7 +192,7 @@ class TokenWindows(Dataset):
         return chunk[:, :-1], chunk[:, 1:]
 
 
-class CharLMDataModule(pl.LightningDataModule):
+class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
     """Character-level LM data from the stdlib corpus (see :func:`build_corpus`).
 
     Args:
@@ -280,19 +280,6 @@ class CharLMDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         kwargs = {**self._loader_kwargs(), "persistent_workers": False}
         return DataLoader(self.val_dataset, batch_size=max(self.batch_size, 64), shuffle=False, **kwargs)
-
-    @override
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        self.train_order.mark_used(self.trainer)
-        return apply_batch_transform(self.batch_transform, batch, self.trainer is not None and self.trainer.training)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"train_order": self.train_order.state_dict(self.trainer)}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.train_order.load_state_dict(state_dict.get("train_order", {}))
 
     def describe(self) -> dict[str, Any]:
         self.setup()

@@ -8,9 +8,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, check_worker_options, loader_kwargs,
+from lit_speed.data.pipeline import (BatchFetch, check_worker_options, loader_kwargs,
                                      resolve_num_workers, resolve_pin_memory)
-from lit_speed.data.resumable import ResumableShuffle
+from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
 
 
 def load_digits_tensors(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -31,7 +31,7 @@ def load_digits_tensors(val_fraction: float = 0.2, seed: int = 0) -> tuple[Tenso
     return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[val_idx], y[val_idx])
 
 
-class DigitsDataModule(pl.LightningDataModule):
+class DigitsDataModule(ResumableOrderHooks, pl.LightningDataModule):
     """8x8 handwritten digits (1797 samples, 64 features, 10 classes), tensors preloaded in memory.
 
     Args:
@@ -94,20 +94,8 @@ class DigitsDataModule(pl.LightningDataModule):
         return DataLoader(self.val_dataset, batch_size=max(self.batch_size, 256), shuffle=False,
                           **self._loader_kwargs())
 
-    @override
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        self.train_order.mark_used(self.trainer)
-        return apply_batch_transform(self.batch_transform, batch, self.trainer is not None and self.trainer.training)
-
     def describe(self) -> dict[str, Any]:
         """Rows for the start-up table."""
         self.setup()
         return {"data": f"digits: {len(self.train_dataset)} train / {len(self.val_dataset)} val samples"}
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"train_order": self.train_order.state_dict(self.trainer)}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.train_order.load_state_dict(state_dict.get("train_order", {}))

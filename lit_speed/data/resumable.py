@@ -17,6 +17,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Sampler
 
+from lit_speed.data.pipeline import apply_batch_transform
+
 
 def draw_seed() -> int:
     """A seed drawn from the global torch RNG exactly as ``RandomSampler`` draws its epoch's seed."""
@@ -138,3 +140,25 @@ class ResumableShuffle:
         if not state.get("epoch_done", False):
             rank_zero_info(f"{self.name} training order resumed at epoch {self.sampler.used_epoch}, "
                            f"batch {self.sampler.used_in_epoch}")
+
+
+class ResumableOrderHooks:
+    """DataModule hooks for a ``self.train_order`` (:class:`ResumableShuffle`) and a ``self.batch_transform``.
+
+    Mix in before ``pl.LightningDataModule``: every transferred training batch is marked used, the training order
+    goes into the DataModule's ``state_dict`` (so Lightning saves it in each checkpoint) and comes back at resume.
+    """
+
+    train_order: ResumableShuffle
+    batch_transform: Any
+    trainer: "pl.Trainer | None"
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.train_order.mark_used(self.trainer)
+        return apply_batch_transform(self.batch_transform, batch, self.trainer is not None and self.trainer.training)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_order": self.train_order.state_dict(self.trainer)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.train_order.load_state_dict(state_dict.get("train_order", {}))
