@@ -26,6 +26,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset
 from typing_extensions import override
 
+from lit_speed.reporting.time_to_target import target_met
+
 
 def process_start_time() -> float:
     """Unix time at which this process was launched (``psutil``; falls back to the import time)."""
@@ -104,7 +106,7 @@ class TokenCadenceProbe:
         value = evaluate()
         record = {"tokens": self.tokens, "step": step, "wall_s": round(self.elapsed(), 3), "val_loss": value}
         self.history.append(record)
-        met = self.target is not None and math.isfinite(value) and value <= self.target
+        met = self.target is not None and target_met(value, self.target, "min")
         if met and self.time_to_target_s is None:
             self.time_to_target_s, self.target_step, self.target_tokens = record["wall_s"], step, self.tokens
         return met
