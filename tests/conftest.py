@@ -1,42 +1,27 @@
-"""Shared fixtures: compose the real Hydra config from conf/, shrunk, with outputs in tmp_path."""
+"""Fixtures and hooks shared by every test: the real Hydra config from conf/, shrunk, with outputs in tmp_path.
+
+``tests/`` is a package, so pytest (rootdir import, ``prepend`` mode) puts the repository root first on
+``sys.path``: ``lit_speed`` and ``tests.helpers`` import from this checkout, not from wherever it is installed.
+"""
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-os.environ.setdefault("LIT_SPEED_ROOT", str(ROOT))
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from lit_speed.strategies.ds_accelerator import default_accelerator_name  # noqa: E402 - imports torch, not DeepSpeed
-
-# Before any test module imports DeepSpeed (many do at collection): its accelerator follows this machine, so
-# `pytest -m gpu` on a GPU runs DeepSpeed's CUDA accelerator. ZeroStrategy re-checks the choice at setup.
-os.environ["DS_ACCELERATOR"] = default_accelerator_name()
+from tests.helpers.repo import ROOT, compose_config
 
 
-def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:
-    """The config ``scripts/train.py <overrides>`` would run, writing into ``output_dir``."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = str(output_dir)
-        cfg.hydra.job.num = 0
-    HydraConfig().set_config(cfg)  # lets ${hydra:runtime.output_dir} resolve outside @hydra.main
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(output_dir)
-        cfg.paths.log_dir = str(output_dir / "logs")
-        del cfg.hydra
-    return cfg
+def pytest_configure(config: pytest.Config) -> None:
+    """Set the environment every run needs, before any test module is collected (many import DeepSpeed)."""
+    from lit_speed.strategies.ds_accelerator import default_accelerator_name  # imports torch, not DeepSpeed
+
+    os.environ.setdefault("LIT_SPEED_ROOT", str(ROOT))
+    # DeepSpeed's accelerator follows this machine, so `pytest -m gpu` on a GPU runs DeepSpeed's CUDA
+    # accelerator. ZeroStrategy re-checks the choice at setup.
+    os.environ["DS_ACCELERATOR"] = default_accelerator_name()
 
 
 @pytest.fixture
@@ -48,15 +33,6 @@ def make_cfg(tmp_path):
 
     yield _make
     GlobalHydra.instance().clear()
-
-
-def run_train_script(args: list[str], cwd: Path | None = None, timeout: float = 300, env: dict | None = None):
-    """Run ``scripts/train.py`` in a fresh interpreter; returns the CompletedProcess (text)."""
-    import subprocess
-
-    full_env = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args], cwd=cwd or ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from helpers_accumulation import (ManualModule, ResumableLoader, StepRecorder, TinyClassifier, TinyDataModule,
+from tests.helpers.accumulation import (ManualModule, ResumableLoader, StepRecorder, TinyClassifier, TinyDataModule,
                                   TinyTokenLM, classification_data, fit, flat_params, rel_err, token_data, update)
 from lit_speed.accumulation import AccumulationScheduler
 from lit_speed.accumulation.micro_batch import measure_activation_model

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from helpers_accumulation import ShardedDataModule, SyncCounter, TinyTokenLM, rel_err, token_data, update
+from tests.helpers.accumulation import ShardedDataModule, SyncCounter, TinyTokenLM, rel_err, token_data, update
 from lit_speed.accumulation import AccumulationScheduler
 
 

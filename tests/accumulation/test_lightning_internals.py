@@ -11,7 +11,7 @@ from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimizatio
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from torch.utils.data import DataLoader
 
-from helpers_accumulation import TinyClassifier, classification_data, fit
+from tests.helpers.accumulation import TinyClassifier, classification_data, fit
 from lit_speed.accumulation import AccumulationScheduler
 
 

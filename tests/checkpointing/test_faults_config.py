@@ -9,7 +9,6 @@ by the component that owns the constraint, naming both sides.
 from __future__ import annotations
 
 import re
-import sys
 from functools import lru_cache
 from pathlib import Path
 from subprocess import CompletedProcess
@@ -17,8 +16,7 @@ from tempfile import mkdtemp
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
-from runs import explain, train  # noqa: E402
+from tests.helpers.fault_scripts.runs import explain, train
 
 DAMAGED = Path(mkdtemp(prefix="damaged_ckpt_")) / "damaged.ckpt"
 DAMAGED.write_bytes(b"not a torch.save archive")

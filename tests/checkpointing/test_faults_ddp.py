@@ -11,14 +11,11 @@ caught by the process-group timeout: set it shorter with
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
-from runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train  # noqa: E402
+from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train
 
 from lit_speed.checkpointing import verify_checkpoint  # noqa: E402
 

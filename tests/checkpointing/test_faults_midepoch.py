@@ -7,15 +7,13 @@ seed and how many batches training used (:class:`lit_speed.data.resumable.Resuma
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
-from compare_checkpoints import max_abs_differences  # noqa: E402
-from runs import explain, kill_at, train  # noqa: E402
+from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
+from tests.helpers.fault_scripts.runs import explain, kill_at, train
 
 SIGKILLED = -9
 # charlm_cpu shrunk: 16 steps, a checkpoint (last.ckpt) at every validation (every 4 steps), all mid-epoch

@@ -6,15 +6,12 @@ weights, and FaultTolerance makes sure the run does not end silently.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
-from inject_nan import InjectNaN  # noqa: E402
+from tests.helpers.fault_scripts.inject_nan import InjectNaN
 
 from lit_speed.checkpointing import FaultTolerance  # noqa: E402
 from lit_speed.checkpointing.fault_tolerance import nonfinite_parameters  # noqa: E402

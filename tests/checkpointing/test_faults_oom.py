@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
-from runs import HERE, ROOT, env, explain  # noqa: E402
+from tests.helpers.fault_scripts.runs import HERE, ROOT, env, explain
 
 pytestmark = [
     pytest.mark.slow,

@@ -13,7 +13,6 @@ of a plain ``DataLoader`` are not exact either (Lightning restarts the epoch's i
 from __future__ import annotations
 
 import random
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,9 +21,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
-from compare_checkpoints import max_abs_differences  # noqa: E402
-from runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train  # noqa: E402
+from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
+from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train
 
 from lit_speed.checkpointing import FaultTolerance, resolve_ckpt_path, verify_checkpoint  # noqa: E402
 from lit_speed.data.digits import DigitsDataModule  # noqa: E402

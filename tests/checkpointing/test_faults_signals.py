@@ -6,16 +6,13 @@ checkpoint at that step, so a scheduler took the run for finished and a resume r
 from __future__ import annotations
 
 import signal
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
-from compare_checkpoints import max_abs_differences  # noqa: E402
-from runs import SHORT_RUN, explain, kill_at, train  # noqa: E402
+from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
+from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, kill_at, train
 
 from lit_speed.checkpointing.preemption import request_stop  # noqa: E402
 

@@ -8,14 +8,12 @@ with a warning naming the offending global, and a named file is refused in one l
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
-from runs import SHORT_RUN, explain, train  # noqa: E402
+from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, train
 
 from lit_speed.checkpointing import CorruptCheckpointError, last_good_checkpoint, verify_checkpoint  # noqa: E402
 

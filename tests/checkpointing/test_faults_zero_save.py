@@ -9,13 +9,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fault_scripts"))
-from compare_checkpoints import max_abs_differences  # noqa: E402
-from runs import ROOT, SHORT_RUN, env, explain, kill_at, train  # noqa: E402
+from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
+from tests.helpers.fault_scripts.runs import ROOT, SHORT_RUN, env, explain, kill_at, train
 
 from lit_speed.checkpointing import verify_checkpoint  # noqa: E402
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_two_process_ddp_shards_are_disjoint_and_cover_the_allowed_set(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers_curriculum.py"), str(tmp_path)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "curriculum.py"), str(tmp_path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

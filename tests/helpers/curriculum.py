@@ -1,6 +1,6 @@
-"""Script run by tests/test_curriculum_ddp.py under 2-process CPU DDP: each rank records what it trained on.
+"""Script run by tests/curriculum/test_ddp.py under 2-process CPU DDP: each rank records what it trained on.
 
-    python tests/helpers_curriculum.py OUT_DIR
+    python tests/helpers/curriculum.py OUT_DIR
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from lit_speed.memory.activation_checkpointing import ActivationCheckpointing
 from lit_speed.memory.memory_tracker import LiveTensorTracker
 from lit_speed.models.gpt import GPTModule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHARLM_CACHE = ROOT / ".cache" / "charlm"
 TINY_GPT = {"vocab_size": 97, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128}  # experiment=charlm_cpu
 

@@ -2,7 +2,7 @@
 
 As a script it is what Lightning re-launches for ``devices=2`` and what torchrun starts::
 
-    python tests/helpers_zero.py --strategy zero --stage 2 --devices 2 --out /tmp/run
+    python tests/helpers/zero.py --strategy zero --stage 2 --devices 2 --out /tmp/run
 
 The training data is read in order (no shuffle): one process with batch 2b sees exactly the samples two
 processes with batch b see, so their losses are comparable step by step.
@@ -13,14 +13,11 @@ import argparse
 import functools
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # children import lit_speed and tests.helpers from here (clean_env)
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
@@ -76,9 +73,12 @@ def clean_env(**extra: str) -> dict[str, str]:
 
     Lightning/DeepSpeed export MASTER_PORT etc. into ``os.environ``; a child inheriting them would try to
     listen on a port this process still holds (EADDRINUSE) or join the wrong group.
+    The checkout's root comes first on ``PYTHONPATH``: a child imports ``lit_speed`` and ``tests.helpers`` from
+    this checkout (also when it runs this file as a script), not from wherever the package is installed.
     """
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    return {**env, "DS_ACCELERATOR": "cpu", **extra}
+    path = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {**env, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", **extra}
 
 
 def optimizer_factory(name: str, lr: float = 3e-3) -> Any:

@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from helpers_memory import TINY_GPT, adamw, charlm_datamodule
+from tests.helpers.memory import TINY_GPT, adamw, charlm_datamodule
 from lit_speed.memory.activation_checkpointing import ActivationCheckpointing, checkpoint_modules, restore_modules
 from lit_speed.memory.memory_tracker import LiveTensorTracker
 from lit_speed.models.gpt import GPT, Block, GPTModule

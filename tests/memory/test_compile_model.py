@@ -5,7 +5,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from helpers_memory import adamw, charlm_datamodule
+from tests.helpers.memory import adamw, charlm_datamodule
 from lit_speed.memory.compile_model import CompileModel, compile_modules, is_compiled, uncompile_modules
 from lit_speed.models.gpt import GPT, GPTModule
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers_memory import ROOT, TINY_GPT, adamw, charlm_datamodule, measured_fit_peak
+from tests.helpers.memory import ROOT, TINY_GPT, adamw, charlm_datamodule, measured_fit_peak
 from lit_speed.memory.model_state import state_bytes
 from lit_speed.memory.planner import Probe, plan, resize_batch
 from lit_speed.models.gpt import GPTModule

@@ -236,7 +236,7 @@ def test_yaml_keys_are_the_constructor_arguments():
 
     from omegaconf import OmegaConf
 
-    node = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "callbacks" / "device_stats.yaml")
+    node = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "callbacks" / "device_stats.yaml")
     keys = set(node.device_stats) - {"_target_"}
     assert keys == set(inspect.signature(DeviceStatsLogger.__init__).parameters) - {"self"}
     assert node.device_stats._target_ == "lit_speed.monitoring.device_stats_logger.DeviceStatsLogger"

@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -1,18 +1,30 @@
 """The time-to-target race's shared instrument and the benchmark's core logic, run cheaply (no timing asserted)."""
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import lightning.pytorch as pl
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[2]
 
-import bench_time_to_target as bench  # noqa: E402
-import plain_loop  # noqa: E402
+
+def _load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` by file path: benchmarks/ is a folder of scripts, not an importable package."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # the scripts import each other by these names (``import _common``)
+    spec.loader.exec_module(module)
+    return module
+
+
+_load_benchmark("_common")
+bench = _load_benchmark("bench_time_to_target")
+plain_loop = _load_benchmark("plain_loop")
 
 from lit_speed.data.charlm import CharLMDataModule  # noqa: E402
 from lit_speed.models.gpt import GPTModule  # noqa: E402

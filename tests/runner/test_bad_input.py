@@ -1,8 +1,8 @@
 """The bad-input matrix, in process: every command line that cannot train is refused with a message naming the fix.
 
 Config-only cases go through :func:`preflight` (what ``scripts/train.py`` runs first, no model built); cases that
-need the built model or the Trainer go through :func:`train`. ``tests/test_faults_config.py`` runs the same
-cases through the real entry point (exit code 2, one ``Config error:`` line).
+need the built model or the Trainer go through :func:`train`. ``tests/checkpointing/test_faults_config.py`` runs
+the same cases through the real entry point (exit code 2, one ``Config error:`` line).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from lit_speed.config_check import ConfigError, preflight
 from lit_speed.models.gpt import GPTModule
 from lit_speed.run_checks import check_activation_memory
 from lit_speed.runner import build, train
-from tests.conftest import CONF
+from tests.helpers.repo import CONF
 
 DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
@@ -172,7 +172,7 @@ def test_resume_with_another_optimizer_names_what_does_not_match(make_cfg, adamw
 
 @pytest.mark.slow  # the first use JIT-builds DeepSpeed's CPU Adam (~2 min, then cached)
 def test_offload_option_alone_runs_with_cpu_adam(tmp_path):
-    from tests.conftest import run_train_script
+    from tests.helpers.repo import run_train_script
 
     result = run_train_script(["strategy=zero2_offload", "trainer.fast_dev_run=true", f"hydra.run.dir={tmp_path}"],
                               timeout=900)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lit_speed.runner import build
-from tests.conftest import CONF
+from tests.helpers.repo import CONF
 
 # groups whose options are whole components; hydra/ and paths/ are Hydra plumbing, tested through every compose
 GROUPS = ["data", "model", "optimizer", "precision", "strategy", "accumulation", "callbacks", "logger", "trainer",

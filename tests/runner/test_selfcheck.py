@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("selfcheck", ROOT / "scripts" / "selfcheck.py")
 selfcheck = importlib.util.module_from_spec(spec)
 sys.modules["selfcheck"] = selfcheck  # dataclasses look their module up there

@@ -7,7 +7,7 @@ import pytest
 
 from lit_speed.config_check import ConfigError, preflight
 from lit_speed.runner import train
-from tests.conftest import CONF, run_train_script
+from tests.helpers.repo import CONF, run_train_script
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 

@@ -13,17 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers_zero import clean_env
+from tests.helpers.zero import clean_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # DeepSpeed imported with DS_ACCELERATOR=cuda (as on a GPU box), then a ZeRO-2 run on the CPU.
 CUDA_AT_IMPORT_CPU_RUN = """
-import json, sys
-sys.path[:0] = [{root!r}, {tests!r}]
+import json
 from deepspeed.accelerator import get_accelerator
 from lit_speed.strategies.zero_strategy import ZeroStrategy
-from helpers_zero import make_run, make_trainer
+from tests.helpers.zero import make_run, make_trainer
 at_import = get_accelerator().device_name()
 dm, model = make_run({cache!r})
 trainer = make_trainer(ZeroStrategy(stage=2), max_steps=2)
@@ -35,8 +34,7 @@ print(json.dumps({{"at_import": at_import, "at_end": get_accelerator().device_na
 # ZeroStrategy set up for a CUDA device. No CUDA device here: the setup stops at torch.cuda.set_device, after
 # the accelerator choice this test checks.
 CPU_AT_IMPORT_CUDA_SETUP = """
-import json, os, sys
-sys.path[:0] = [{root!r}]
+import json, os
 import torch
 from deepspeed.accelerator import get_accelerator
 from lightning.pytorch.accelerators import CUDAAccelerator
@@ -66,7 +64,7 @@ def _run(script: str, ds_accelerator: str) -> dict:
 
 
 def test_cpu_run_switches_deepspeed_from_the_cuda_accelerator_fixed_at_import(tmp_path: Path) -> None:
-    out = _run(CUDA_AT_IMPORT_CPU_RUN.format(root=str(ROOT), tests=str(ROOT / "tests"), cache=str(tmp_path)),
+    out = _run(CUDA_AT_IMPORT_CPU_RUN.format(cache=str(tmp_path)),
                "cuda")
     assert out["at_import"] == "cuda"  # the problematic order really happened
     assert out["at_end"] == "cpu"
@@ -74,7 +72,7 @@ def test_cpu_run_switches_deepspeed_from_the_cuda_accelerator_fixed_at_import(tm
 
 
 def test_cuda_setup_switches_deepspeed_from_the_cpu_accelerator_fixed_at_import() -> None:
-    out = _run(CPU_AT_IMPORT_CUDA_SETUP.format(root=str(ROOT)), "cpu")
+    out = _run(CPU_AT_IMPORT_CUDA_SETUP, "cpu")
     assert out["at_import"] == "cpu"
     assert (out["at_setup"], out["class"], out["env"]) == ("cuda", "CUDA_Accelerator", "cuda")
     assert out["utils_bound"]  # DeepSpeed's import-time memory readers follow the switch too

@@ -1,6 +1,6 @@
 """Logic of GPU-only paths, run on the CPU through honest stand-ins: CUDA-event timing and CUDA OOM recovery.
 
-The NVML sampler has its own file (``test_nvml_sampler.py``); DeepSpeed's accelerator choice is in
+The NVML sampler has its own file (``tests/monitoring/test_nvml_sampler.py``); DeepSpeed's accelerator choice is in
 ``test_ds_accelerator.py``. The real-device versions are marked ``gpu`` and skipped here.
 """
 from __future__ import annotations
@@ -58,9 +58,10 @@ def test_cuda_event_timer_gives_the_cpu_timer_split_and_syncs_once_per_flush() -
 
 
 def test_torch_cuda_oom_is_what_recovery_catches() -> None:
-    # AccumulationScheduler's recovery (tests/test_accumulation.py::test_injected_oom_mid_window_retries_with_half_
-    # micro_batch_without_losing_a_step) is driven by a raised torch.OutOfMemoryError; the allocator raises
-    # torch.cuda.OutOfMemoryError, which must be the same class for that test to stand for a real CUDA OOM.
+    # AccumulationScheduler's recovery (tests/accumulation/test_accumulation_scheduler.py::
+    # test_injected_oom_mid_window_retries_with_half_micro_batch_without_losing_a_step) is driven by a raised
+    # torch.OutOfMemoryError; the allocator raises torch.cuda.OutOfMemoryError, which must be the same class for
+    # that test to stand for a real CUDA OOM.
     assert torch.cuda.OutOfMemoryError is torch.OutOfMemoryError
     assert issubclass(torch.cuda.OutOfMemoryError, RuntimeError)  # the scheduler's `except RuntimeError`
     error = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
@@ -69,7 +70,7 @@ def test_torch_cuda_oom_is_what_recovery_catches() -> None:
 
 
 def test_cuda_oom_in_a_real_fit_retries_the_window_with_half_the_micro_batch() -> None:
-    from helpers_accumulation import TinyClassifier, classification_data, fit
+    from tests.helpers.accumulation import TinyClassifier, classification_data, fit
     from torch.utils.data import DataLoader
 
     from lit_speed.accumulation.accumulation_scheduler import AccumulationScheduler

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_on_one_gpu_matches_ddp(tmp_path, stage: int) -> None:
     from deepspeed.accelerator import get_accelerator
-    from helpers_zero import make_run
+    from tests.helpers.zero import make_run
     import lightning.pytorch as pl
 
     from lit_speed.strategies.zero_strategy import ZeroStrategy
@@ -41,7 +41,7 @@ def test_pytest_runs_deepspeed_on_the_cuda_accelerator() -> None:
 
 
 def test_fp16_on_gpu_takes_the_scaler_config(tmp_path) -> None:
-    from helpers_zero import make_run
+    from tests.helpers.zero import make_run
     import lightning.pytorch as pl
 
     from lit_speed.strategies.zero_strategy import ZeroStrategy

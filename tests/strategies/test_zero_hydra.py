@@ -14,7 +14,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from lit_speed.runner import train  # noqa: E402
 from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = {"zero1": (1, False, False), "zero2": (2, False, False), "zero2_offload": (2, True, False),
            "zero3": (3, False, False), "zero3_offload": (3, True, True)}
 

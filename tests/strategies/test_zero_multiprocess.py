@@ -1,6 +1,6 @@
 """ZeroStrategy with 2 processes on CPU (gloo): Lightning's own launcher and torchrun. Slow tier.
 
-Each run is ``tests/helpers_zero.py`` in a subprocess, writing one JSON per rank. The data are read in order, so
+Each run is ``tests/helpers/zero.py`` in a subprocess, writing one JSON per rank. The data are read in order, so
 one process with batch 8 sees exactly the windows two processes with batch 4 see at each step: the mean of the
 two ranks' losses must equal the single-process loss.
 """
@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers_zero import clean_env
+from tests.helpers.zero import clean_env
 
 pytestmark = pytest.mark.slow  # every test starts 2+ Python processes that import torch, Lightning and DeepSpeed
 
-ROOT = Path(__file__).resolve().parents[1]
-HELPER = str(ROOT / "tests" / "helpers_zero.py")
+ROOT = Path(__file__).resolve().parents[2]
+HELPER = str(ROOT / "tests" / "helpers" / "zero.py")
 STEPS = 5
 # fp32 everywhere. Two ranks average two half-batch gradients instead of one full-batch mean (a different
 # summation order) and ZeRO steps a flat buffer: differences stay in the last float32 bits, growing over a few

@@ -13,13 +13,13 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from helpers_zero import clean_env, make_run, make_trainer  # noqa: E402
+from tests.helpers.zero import clean_env, make_run, make_trainer  # noqa: E402
 
 from lit_speed.models.optim import warmup_cosine  # noqa: E402
 from lit_speed.strategies.consolidate import consolidate_zero_checkpoint  # noqa: E402
 from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # fp32 on both sides; ZeRO steps AdamW on one flat fp32 buffer instead of per-parameter tensors, which may
 # change the last bits of a sum, never more: 1e-5 relative is ~100x float32 epsilon on losses around 4.
 LOSS_RTOL = 1e-5
@@ -139,9 +139,9 @@ def test_consolidate_script_and_its_error(cache: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout and (tmp_path / "one.ckpt").is_file()
     # a process without DeepSpeed reads it
-    check = ("import sys, torch; sys.path.insert(0, sys.argv[2]); from lit_speed.models.gpt import GPTModule; "
+    check = ("import sys, torch; from lit_speed.models.gpt import GPTModule; "
              "m = GPTModule.load_from_checkpoint(sys.argv[1]); assert 'deepspeed' not in sys.modules; print('ok')")
-    done = subprocess.run([sys.executable, "-c", check, str(tmp_path / "one.ckpt"), str(ROOT)],
+    done = subprocess.run([sys.executable, "-c", check, str(tmp_path / "one.ckpt")],
                           capture_output=True, text=True, env=clean_env())
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr
     bad = subprocess.run(script + [str(tmp_path), str(tmp_path / "x.ckpt")], capture_output=True, text=True,
@@ -153,7 +153,7 @@ def test_consolidate_script_and_its_error(cache: Path, tmp_path: Path) -> None:
 def test_cpu_adam_survives_lightnings_optimizer_wrapper(cache: Path, tmp_path: Path) -> None:
     # plain DeepSpeedCPUAdam segfaults here: Lightning's wrapper runs its __del__ and frees the C++ state.
     # A subprocess, so a regression fails this test instead of killing pytest.
-    cmd = [sys.executable, str(ROOT / "tests" / "helpers_zero.py"), "--strategy", "ddp", "--devices", "1",
+    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "zero.py"), "--strategy", "ddp", "--devices", "1",
            "--optimizer", "cpu_adam", "--steps", "4", "--cache", str(cache), "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=clean_env())
     assert done.returncode == 0, done.stderr[-2000:]

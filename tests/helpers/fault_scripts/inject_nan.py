@@ -1,6 +1,7 @@
 """A callback that poisons one training batch with NaN at a chosen step (its loss and gradients turn NaN).
 
-Usable in-process or through Hydra: ``+callbacks.nan._target_=inject_nan.InjectNaN +callbacks.nan.step=5``.
+Usable in-process or through Hydra (the checkout's root on PYTHONPATH):
+``+callbacks.nan._target_=tests.helpers.fault_scripts.inject_nan.InjectNaN +callbacks.nan.step=5``.
 """
 from __future__ import annotations
 

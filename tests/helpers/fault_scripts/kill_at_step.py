@@ -1,7 +1,7 @@
 """A callback that SIGKILLs its own process at a chosen optimizer step: a preemption with no warning.
 
-Used by tests/test_faults_resume.py through a Hydra override (the test puts this folder on PYTHONPATH):
-``+callbacks.kill._target_=kill_at_step.KillAtStep +callbacks.kill.step=37``.
+Used by tests/checkpointing/test_faults_resume.py through a Hydra override (the child gets the checkout's root on
+PYTHONPATH): ``+callbacks.kill._target_=tests.helpers.fault_scripts.kill_at_step.KillAtStep +callbacks.kill.step=37``.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Run ``scripts/train.py`` in a fresh interpreter for the fault tests, with this folder importable."""
+"""Run ``scripts/train.py`` in a fresh interpreter for the fault tests, with this checkout importable."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 
 # a short, deterministic digits run: 3 epochs of 8 batches, a checkpoint (last.ckpt) at every epoch end
@@ -18,8 +18,9 @@ STEPS_PER_EPOCH = 8
 
 
 def env() -> dict[str, str]:
-    """The environment of a child run: this folder on PYTHONPATH (for ``_target_: kill_at_step.KillAtStep``)."""
-    path = os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    """The environment of a child run: the checkout's root first on PYTHONPATH, so ``lit_speed`` and
+    ``_target_: tests.helpers.fault_scripts.kill_at_step.KillAtStep`` import from this checkout."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return {**os.environ, "PYTHONPATH": path, "HYDRA_FULL_ERROR": "0", "DS_ACCELERATOR": "cpu"}
 
 
@@ -32,8 +33,8 @@ def train(args: list[str], run_dir: Path, timeout: float = 600, script: str | No
 
 def kill_at(step: int, rank: int = 0, mode: str = "step") -> list[str]:
     """Overrides that add :class:`kill_at_step.KillAtStep` to a run."""
-    return ["+callbacks.kill._target_=kill_at_step.KillAtStep", f"+callbacks.kill.step={step}",
-            f"+callbacks.kill.rank={rank}", f"+callbacks.kill.mode={mode}"]
+    return ["+callbacks.kill._target_=tests.helpers.fault_scripts.kill_at_step.KillAtStep",
+            f"+callbacks.kill.step={step}", f"+callbacks.kill.rank={rank}", f"+callbacks.kill.mode={mode}"]
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning.pytorch  # noqa: F401  (mapped before the limit)
 import torch  # noqa: F401
 
-TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+TRAIN = Path(__file__).resolve().parents[3] / "scripts" / "train.py"
 
 
 def address_space_bytes() -> int:

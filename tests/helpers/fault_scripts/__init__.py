@@ -1,0 +1,1 @@
+"""Fault-injection callbacks and runners; Hydra targets name them as ``tests.helpers.fault_scripts.<module>``."""
