@@ -11,7 +11,7 @@ Workload: scikit-learn digits (1438 training images, 8x8), augmented with a rand
   ``DigitsDataModule(preload=True)`` does) and :func:`lit_speed.data.pipeline.jitter_images` applied to the
   whole batch (what ``batch_transform`` does in ``on_after_batch_transfer``).
 
-Both draw the same augmentation distribution (``tests/test_data_pipeline.py`` checks the shift is identical
+Both draw the same augmentation distribution (``tests/data/test_pipeline.py`` checks the shift is identical
 for the same draw). Measured: samples/s of the loader alone, and of the whole training step (loader +
 forward/backward/AdamW) in a plain loop, variants interleaved round by round; ratio = median of per-round
 ratios. One torch thread, so the numbers do not depend on what else the shared machine runs.

@@ -14,7 +14,7 @@ and :func:`uninstall` removes them):
 * ``trainer.fit_loop.epoch_loop.automatic_optimization.run`` -> ``controller.run_batch(original_run, ...)``,
   so a batch can be split into smaller micro-batches (after an OOM) and retried.
 
-``tests/test_accumulation_internals.py`` fails loudly if these stop existing or change meaning.
+``tests/accumulation/test_lightning_internals.py`` fails loudly if these stop existing or change meaning.
 """
 from __future__ import annotations
 

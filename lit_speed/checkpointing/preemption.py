@@ -31,7 +31,7 @@ def request_stop(trainer: "pl.Trainer") -> None:
 
     Private Lightning detail (2.6.6): the loops read ``trainer.received_sigterm``, which is
     ``trainer._signal_connector.received_sigterm``; setting it reuses their stop points and their
-    cross-process broadcast. ``tests/test_faults_signals.py`` fails if Lightning renames it.
+    cross-process broadcast. ``tests/checkpointing/test_faults_signals.py`` fails if Lightning renames it.
     """
     trainer._signal_connector.received_sigterm = True
 

@@ -38,7 +38,7 @@ def repeated_block_types(root: nn.Module) -> list[type]:
 
 def _uncompile(module: nn.Module) -> None:
     # torch 2.13: nn.Module.compile() stores the compiled call in the private `_compiled_call_impl`;
-    # setting it back to None restores eager calls. tests/test_compile_model.py checks this attribute.
+    # setting it back to None restores eager calls. tests/memory/test_compile_model.py checks this attribute.
     module._compiled_call_impl = None
 
 

@@ -114,7 +114,7 @@ def contains_compiled(module: torch.nn.Module) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule
 
     # torch 2.13: nn.Module.compile() keeps the compiled call in the private `_compiled_call_impl`
-    # (tests/test_diagnosis.py fails loudly if that changes)
+    # (tests/monitoring/test_diagnosis.py fails loudly if that changes)
     return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
                for m in module.modules())
 

@@ -379,7 +379,7 @@ def _before_step_hooks_and_clipping(plugin: Precision, model: "pl.LightningModul
     """``on_before_optimizer_step`` hooks, then gradient clipping (on the unscaled gradients here).
 
     The one private Lightning call of this plugin: ``Precision._after_closure(model, optimizer)``, written
-    against Lightning 2.6.6 (``MixedPrecision`` calls it the same way). ``tests/test_precision.py`` checks
+    against Lightning 2.6.6 (``MixedPrecision`` calls it the same way). ``tests/precision/test_core.py`` checks
     its signature so a Lightning change fails loudly rather than skipping hooks or clipping.
     """
     plugin._after_closure(model, optimizer)

@@ -1,6 +1,6 @@
 """Every private Lightning (and DeepSpeed) detail :class:`~lit_speed.strategies.zero_strategy.ZeroStrategy` relies on.
 
-Written against Lightning 2.6.6 and DeepSpeed 0.19.8. ``tests/test_zero_compat.py`` checks each assumption
+Written against Lightning 2.6.6 and DeepSpeed 0.19.8. ``tests/strategies/test_zero_compat.py`` checks each assumption
 below and fails loudly, naming the helper, when either library changes it.
 """
 from __future__ import annotations
