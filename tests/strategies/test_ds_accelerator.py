@@ -72,7 +72,7 @@ def test_cpu_run_switches_deepspeed_from_the_cuda_accelerator_fixed_at_import(tm
 
 
 def test_cuda_setup_switches_deepspeed_from_the_cpu_accelerator_fixed_at_import() -> None:
-    out = _run(CPU_AT_IMPORT_CUDA_SETUP, "cpu")
+    out = _run(CPU_AT_IMPORT_CUDA_SETUP.format(), "cpu")
     assert out["at_import"] == "cpu"
     assert (out["at_setup"], out["class"], out["env"]) == ("cuda", "CUDA_Accelerator", "cuda")
     assert out["utils_bound"]  # DeepSpeed's import-time memory readers follow the switch too
