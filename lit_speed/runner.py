@@ -5,12 +5,13 @@
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import hydra
 import lightning.pytorch as pl
@@ -22,6 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from lit_speed.config_check import ConfigError
 
 from lit_speed.checkpointing.resume import resolve_ckpt_path
+from lit_speed.run_contract import (AccumulationReport, MonitoredModel, SummaryExtra, SummaryReport,
+                                    WorkloadReport, startup_rows_of)
 from lit_speed.run_checks import check_activation_memory, check_checkpoint_matches, check_config
 from lit_speed.run_plan_check import RunPlanCheck
 from lit_speed.run_summary import RunSummary
@@ -40,17 +43,23 @@ def _instantiate_group(node: DictConfig | None) -> list[Any]:
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate datamodule, model, precision, strategy, callbacks, loggers and the Trainer."""
+    """Instantiate datamodule, model, precision, strategy, callbacks, loggers and the Trainer.
+
+    ``cfg`` is left as given: the settings the model fills in (``monitor``, ``monitor_mode``) go into a copy,
+    returned as ``parts["cfg"]``.
+    """
+    cfg = copy.deepcopy(cfg)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data)
     optimizer = hydra.utils.instantiate(cfg.optimizer)
     model: pl.LightningModule = hydra.utils.instantiate(cfg.model, optimizer=optimizer)
     # the model knows which metric it reports; the config may override it
+    declared = model if isinstance(model, MonitoredModel) else None
     if cfg.get("monitor") is None:
-        cfg.monitor = getattr(model, "monitor", None)
+        cfg.monitor = declared.monitor if declared is not None else None
     if cfg.get("monitor_mode") is None:
-        cfg.monitor_mode = getattr(model, "monitor_mode", "max")
+        cfg.monitor_mode = declared.monitor_mode if declared is not None else "max"
 
     trainer_kwargs: dict[str, Any] = {}
     plugins: list[Any] = []
@@ -79,21 +88,15 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=plugins or None, **trainer_kwargs
     )
     return {"datamodule": datamodule, "model": model, "trainer": trainer, "run_summary": run_summary,
-            "callbacks": callbacks, "loggers": loggers, "plugins": plugins, "optimizer": optimizer}
-
-
-def _describe(obj: Any) -> dict[str, str]:
-    describe = getattr(obj, "describe", None)
-    return {str(k): str(v) for k, v in describe().items()} if callable(describe) else {}
+            "callbacks": callbacks, "loggers": loggers, "plugins": plugins, "optimizer": optimizer, "cfg": cfg}
 
 
 def _accumulation_factor(trainer: pl.Trainer, callbacks: list[Any]) -> int:
     for cb in callbacks:
         if isinstance(cb, pl.callbacks.GradientAccumulationScheduler):
             return cb.get_accumulate_grad_batches(0)
-        factor = getattr(cb, "current_factor", None)
-        if isinstance(factor, int):
-            return factor
+        if isinstance(cb, AccumulationReport):
+            return cb.current_factor
     return trainer.accumulate_grad_batches
 
 
@@ -115,11 +118,23 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
         "monitor": f"{cfg.monitor} ({cfg.monitor_mode})",
     }
     for part in [dm, precision, *parts["callbacks"]]:
-        rows.update(_describe(part))
-    strategy_describe = getattr(trainer.strategy, "describe", None)
-    if callable(strategy_describe):  # a strategy sizes its memory estimate from the model
-        rows.update({str(k): str(v) for k, v in strategy_describe(model).items()})
+        rows.update(startup_rows_of(part))
+    rows.update(startup_rows_of(trainer.strategy, model))  # a strategy sizes its memory estimate from the model
     return rows
+
+
+def component_summaries(parts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{class name: final_summary()}`` of the precision plugin, the strategy and the callbacks that report one."""
+    trainer = parts["trainer"]
+    return {type(part).__name__: part.final_summary()
+            for part in [trainer.precision_plugin, trainer.strategy, *parts["callbacks"]]
+            if isinstance(part, SummaryReport)}
+
+
+def workload_extras(parts: dict[str, Any]) -> list[SummaryExtra]:
+    """The reference numbers the datamodule and the model report about themselves (e.g. a unigram baseline)."""
+    return [extra for part in (parts["datamodule"], parts["model"]) if isinstance(part, WorkloadReport)
+            for extra in part.summary_extras()]
 
 
 @contextmanager
@@ -146,6 +161,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         check_config(cfg)  # the config alone: before anything is built
         check_activation_memory(cfg)  # probes a short-context copy of the model
         parts = build(cfg)
+        cfg = parts["cfg"]  # with the model's monitor filled in
         trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
         rows = startup_rows(cfg, parts)
     print_table("lit_speed run", rows)
@@ -161,23 +177,22 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run:
         val = trainer.validate(model, datamodule=dm, verbose=False)
         summary["final_val"] = {k: float(v) for k, v in (val[0] if val else {}).items()}
-    baseline = getattr(dm, "unigram_baseline", None)
-    if callable(baseline):
-        summary["unigram_baseline"] = baseline()
-    for part in [trainer.precision_plugin, trainer.strategy, *parts["callbacks"]]:
-        # components report their own end-of-run numbers (loss scale, verdicts, stop reason, ...)
-        extra = getattr(part, "final_summary", None)
-        if callable(extra):
-            summary.setdefault("components", {})[type(part).__name__] = extra()
+    extras = workload_extras(parts)
+    summary.update({extra.key: extra.value for extra in extras})
+    components = component_summaries(parts)  # loss scale, verdicts, stop reason, ...
+    if components:
+        summary["components"] = components
     summary["total_wall_time_s"] = round(time.perf_counter() - t0, 3)
     summary["startup"] = rows
     summary["config"] = OmegaConf.to_container(cfg, resolve=True)
-    write_summary(cfg, trainer, summary)
+    write_summary(cfg, trainer, summary, extras)
     return summary
 
 
 @rank_zero_only
-def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any]) -> None:
+def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any],
+                  extras: Sequence[SummaryExtra] = ()) -> None:
+    """Write ``summary.json`` into the run folder and print the end-of-run table."""
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -192,15 +207,18 @@ def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any])
     }
     for key, value in summary.get("final_val", {}).items():
         rows[f"final {key}"] = f"{value:.4f}"
-    if "unigram_baseline" in summary:
-        rows["unigram baseline val/loss"] = f"{summary['unigram_baseline']:.4f}"
+    for extra in extras:
+        rows[extra.label] = f"{extra.value:.4f}"
     rows["summary"] = str(out / "summary.json")
     print_table("lit_speed summary", rows)
 
 
 def optimized_metric(cfg: DictConfig, summary: dict[str, Any]) -> float | None:
-    """The value Hydra sweepers optimise: the monitor's final validation value, else its best value."""
+    """The value Hydra sweepers optimise: the monitor's final validation value, else its best value.
+
+    The monitor is the run's (``summary["monitor"]``: the model's own when ``cfg.monitor`` is null).
+    """
     final = summary.get("final_val", {})
-    value = final.get(cfg.monitor, summary.get("best_val"))
+    value = final.get(summary.get("monitor", cfg.get("monitor")), summary.get("best_val"))
     return None if value is None else float(value)
 

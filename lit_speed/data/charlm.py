@@ -23,6 +23,7 @@ from typing_extensions import override
 from lit_speed.data.pipeline import (BatchFetch, check_worker_options, loader_kwargs,
                                      resolve_num_workers, resolve_pin_memory)
 from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
+from lit_speed.run_contract import SummaryExtra
 
 # A fixed vocabulary (tab, newline, printable ASCII) so token ids never depend on corpus content;
 # any other character maps to "?" (index of "?").
@@ -263,8 +264,13 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         self.val_dataset = torch.utils.data.Subset(val, np.unique(idx).tolist())
 
     def unigram_baseline(self) -> float:
+        """Validation loss (nats/char) of a model that knows only the training text's character frequencies."""
         self.setup()
         return unigram_cross_entropy(self.corpus.train_tokens(), self.corpus.val_tokens())
+
+    def summary_extras(self) -> list[SummaryExtra]:
+        """The unigram baseline, for ``summary.json`` (``unigram_baseline``) and the end-of-run table."""
+        return [SummaryExtra("unigram_baseline", "unigram baseline val/loss", self.unigram_baseline())]
 
     def _loader_kwargs(self) -> dict[str, Any]:
         h = self.hparams
