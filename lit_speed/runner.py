@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -137,27 +138,73 @@ def workload_extras(parts: dict[str, Any]) -> list[SummaryExtra]:
             for extra in part.summary_extras()]
 
 
+# a reusable class names itself and the argument it refuses: "AccumulationScheduler(micro_batch=0): ..."
+_CLASS_AND_ARGUMENT = re.compile(r"^(?P<cls>[A-Za-z_]\w*)(?:\((?P<arg>\w+)=(?P<value>.*?)\))?: ")
+
+
+def config_paths(cfg: DictConfig) -> dict[str, str]:
+    """``{class name: config path}`` of every ``_target_`` node in ``cfg`` (the first path wins)."""
+    paths: dict[str, str] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if not isinstance(node, dict):
+            return
+        target = node.get("_target_")
+        if isinstance(target, str) and path:
+            paths.setdefault(target.rsplit(".", 1)[-1], path)
+        for key, child in node.items():
+            walk(child, f"{path}.{key}" if path else str(key))
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return paths
+
+
+def with_config_path(message: str, paths: dict[str, str]) -> str | None:
+    """``message`` prefixed with the config path of the class and argument it names, or None if it names none.
+
+    ``"AccumulationScheduler(micro_batch=0): ..."`` from the node at ``accumulation`` becomes
+    ``"accumulation.micro_batch=0: AccumulationScheduler(micro_batch=0): ..."``.
+    """
+    found = _CLASS_AND_ARGUMENT.match(message)
+    where = paths.get(found["cls"]) if found else None
+    if where is None:
+        return None
+    return f"{where}.{found['arg']}={found['value']}: {message}" if found["arg"] else f"{where}: {message}"
+
+
+def _config_error(error: BaseException, paths: dict[str, str]) -> ConfigError:
+    message = str(error)
+    return ConfigError(with_config_path(message, paths) or f"{type(error).__name__}: {message}")
+
+
 @contextmanager
-def _refusals_as_config_errors(before_training: Callable[[], bool]) -> Iterator[None]:
+def _refusals_as_config_errors(before_training: Callable[[], bool], paths: dict[str, str]) -> Iterator[None]:
     """Turn a component's refusal (ValueError, Lightning's MisconfigurationException, a missing file) into
-    :class:`ConfigError` with the component's own message, as long as no training batch has run."""
+    :class:`ConfigError` with the component's own message, as long as no training batch has run.
+
+    The message starts with the config path of the setting it refuses (``paths``: see :func:`config_paths`)
+    when the component names its class and argument; Hydra's ``InstantiationException`` wrapper is removed.
+    """
     try:
         yield
     except ConfigError:
         raise
     except InstantiationException as error:
-        cause = error.__cause__ or error
-        raise ConfigError(f"{type(cause).__name__}: {cause}") from error
+        cause = error
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise _config_error(cause, paths) from error
     except (ValueError, MisconfigurationException, FileNotFoundError) as error:
         if not before_training():
             raise
-        raise ConfigError(f"{type(error).__name__}: {error}") from error
+        raise _config_error(error, paths) from error
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict."""
     t0 = time.perf_counter()
-    with _refusals_as_config_errors(lambda: True):
+    paths = config_paths(cfg)
+    with _refusals_as_config_errors(lambda: True, paths):
         check_config(cfg)  # the config alone: before anything is built
         check_activation_memory(cfg)  # probes a short-context copy of the model
         parts = build(cfg)
@@ -168,7 +215,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     # a refusal raised while the Trainer sets up (strategy, precision, data, checkpoint) is a config error;
     # once a training batch has run, errors propagate unchanged, with their traceback
-    with _refusals_as_config_errors(lambda: parts["run_summary"].samples == 0):
+    with _refusals_as_config_errors(lambda: parts["run_summary"].samples == 0, paths):
         # ckpt_path=last -> the newest checkpoint that verifies (damaged ones are skipped with a warning)
         ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), trainer)
         check_checkpoint_matches(ckpt_path, model, parts["optimizer"])
