@@ -90,3 +90,20 @@ def test_build_does_not_change_the_config_it_is_given(make_cfg):
     parts = build(cfg)
     assert OmegaConf.to_container(cfg, resolve=False) == OmegaConf.to_container(before, resolve=False)
     assert parts["cfg"].monitor == "val/acc" and parts["cfg"].monitor_mode == "max"
+
+
+def test_runner_prefixes_a_component_refusal_with_its_config_path(make_cfg):
+    from lit_speed.config_check import ConfigError
+    from lit_speed.runner import config_paths, train, with_config_path
+
+    cfg = make_cfg(["accumulation=fixed", "accumulation.micro_batch=0", "logger=none"])
+    assert config_paths(cfg)["AccumulationScheduler"] == "accumulation"
+    with pytest.raises(ConfigError, match=r"^accumulation\.micro_batch=0: AccumulationScheduler\(micro_batch=0\): "
+                                          r"micro_batch must be an int >= 1") as info:
+        train(cfg)
+    assert isinstance(info.value.__cause__, Exception)  # chained: the original error stays in the traceback
+    paths = {"GuardedPrecision": "precision"}
+    assert with_config_path("GuardedPrecision: the scaler settings need", paths) == \
+        "precision: GuardedPrecision: the scaler settings need"
+    assert with_config_path("Lion(lr=-1): lr must be >= 0", paths) is None  # not built from this config
+    assert with_config_path("val_fraction must be in (0, 1)", paths) is None
