@@ -14,13 +14,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_speed.config_check import ConfigError
+from lit_speed.run_contract import AccumulationReport
 
 
 def largest_accumulation_factor(callbacks: list[Any], trainer_factor: int = 1) -> int:
     """The largest micro-batches-per-step factor any accumulation callback schedules (else the Trainer's)."""
     largest = trainer_factor
     for cb in callbacks:
-        factors = getattr(cb, "factors", None)
+        factors = cb.factors if isinstance(cb, AccumulationReport) else None
         if isinstance(cb, pl.callbacks.GradientAccumulationScheduler):
             factors = cb.scheduling
         if isinstance(factors, dict):

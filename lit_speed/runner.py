@@ -5,12 +5,14 @@
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import hydra
 import lightning.pytorch as pl
@@ -22,6 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from lit_speed.config_check import ConfigError
 
 from lit_speed.checkpointing.resume import resolve_ckpt_path
+from lit_speed.run_contract import (AccumulationReport, MonitoredModel, SummaryExtra, SummaryReport,
+                                    WorkloadReport, startup_rows_of)
 from lit_speed.run_checks import check_activation_memory, check_checkpoint_matches, check_config
 from lit_speed.run_plan_check import RunPlanCheck
 from lit_speed.run_summary import RunSummary
@@ -40,17 +44,23 @@ def _instantiate_group(node: DictConfig | None) -> list[Any]:
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate datamodule, model, precision, strategy, callbacks, loggers and the Trainer."""
+    """Instantiate datamodule, model, precision, strategy, callbacks, loggers and the Trainer.
+
+    ``cfg`` is left as given: the settings the model fills in (``monitor``, ``monitor_mode``) go into a copy,
+    returned as ``parts["cfg"]``.
+    """
+    cfg = copy.deepcopy(cfg)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data)
     optimizer = hydra.utils.instantiate(cfg.optimizer)
     model: pl.LightningModule = hydra.utils.instantiate(cfg.model, optimizer=optimizer)
     # the model knows which metric it reports; the config may override it
+    declared = model if isinstance(model, MonitoredModel) else None
     if cfg.get("monitor") is None:
-        cfg.monitor = getattr(model, "monitor", None)
+        cfg.monitor = declared.monitor if declared is not None else None
     if cfg.get("monitor_mode") is None:
-        cfg.monitor_mode = getattr(model, "monitor_mode", "max")
+        cfg.monitor_mode = declared.monitor_mode if declared is not None else "max"
 
     trainer_kwargs: dict[str, Any] = {}
     plugins: list[Any] = []
@@ -79,21 +89,15 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=plugins or None, **trainer_kwargs
     )
     return {"datamodule": datamodule, "model": model, "trainer": trainer, "run_summary": run_summary,
-            "callbacks": callbacks, "loggers": loggers, "plugins": plugins, "optimizer": optimizer}
-
-
-def _describe(obj: Any) -> dict[str, str]:
-    describe = getattr(obj, "describe", None)
-    return {str(k): str(v) for k, v in describe().items()} if callable(describe) else {}
+            "callbacks": callbacks, "loggers": loggers, "plugins": plugins, "optimizer": optimizer, "cfg": cfg}
 
 
 def _accumulation_factor(trainer: pl.Trainer, callbacks: list[Any]) -> int:
     for cb in callbacks:
         if isinstance(cb, pl.callbacks.GradientAccumulationScheduler):
             return cb.get_accumulate_grad_batches(0)
-        factor = getattr(cb, "current_factor", None)
-        if isinstance(factor, int):
-            return factor
+        if isinstance(cb, AccumulationReport):
+            return cb.current_factor
     return trainer.accumulate_grad_batches
 
 
@@ -115,44 +119,103 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
         "monitor": f"{cfg.monitor} ({cfg.monitor_mode})",
     }
     for part in [dm, precision, *parts["callbacks"]]:
-        rows.update(_describe(part))
-    strategy_describe = getattr(trainer.strategy, "describe", None)
-    if callable(strategy_describe):  # a strategy sizes its memory estimate from the model
-        rows.update({str(k): str(v) for k, v in strategy_describe(model).items()})
+        rows.update(startup_rows_of(part))
+    rows.update(startup_rows_of(trainer.strategy, model))  # a strategy sizes its memory estimate from the model
     return rows
 
 
+def component_summaries(parts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{class name: final_summary()}`` of the precision plugin, the strategy and the callbacks that report one."""
+    trainer = parts["trainer"]
+    return {type(part).__name__: part.final_summary()
+            for part in [trainer.precision_plugin, trainer.strategy, *parts["callbacks"]]
+            if isinstance(part, SummaryReport)}
+
+
+def workload_extras(parts: dict[str, Any]) -> list[SummaryExtra]:
+    """The reference numbers the datamodule and the model report about themselves (e.g. a unigram baseline)."""
+    return [extra for part in (parts["datamodule"], parts["model"]) if isinstance(part, WorkloadReport)
+            for extra in part.summary_extras()]
+
+
+# a reusable class names itself and the argument it refuses: "AccumulationScheduler(micro_batch=0): ..."
+_CLASS_AND_ARGUMENT = re.compile(r"^(?P<cls>[A-Za-z_]\w*)(?:\((?P<arg>\w+)=(?P<value>.*?)\))?: ")
+
+
+def config_paths(cfg: DictConfig) -> dict[str, str]:
+    """``{class name: config path}`` of every ``_target_`` node in ``cfg`` (the first path wins)."""
+    paths: dict[str, str] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if not isinstance(node, dict):
+            return
+        target = node.get("_target_")
+        if isinstance(target, str) and path:
+            paths.setdefault(target.rsplit(".", 1)[-1], path)
+        for key, child in node.items():
+            walk(child, f"{path}.{key}" if path else str(key))
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return paths
+
+
+def with_config_path(message: str, paths: dict[str, str]) -> str | None:
+    """``message`` prefixed with the config path of the class and argument it names, or None if it names none.
+
+    ``"AccumulationScheduler(micro_batch=0): ..."`` from the node at ``accumulation`` becomes
+    ``"accumulation.micro_batch=0: AccumulationScheduler(micro_batch=0): ..."``.
+    """
+    found = _CLASS_AND_ARGUMENT.match(message)
+    where = paths.get(found["cls"]) if found else None
+    if where is None:
+        return None
+    return f"{where}.{found['arg']}={found['value']}: {message}" if found["arg"] else f"{where}: {message}"
+
+
+def _config_error(error: BaseException, paths: dict[str, str]) -> ConfigError:
+    message = str(error)
+    return ConfigError(with_config_path(message, paths) or f"{type(error).__name__}: {message}")
+
+
 @contextmanager
-def _refusals_as_config_errors(before_training: Callable[[], bool]) -> Iterator[None]:
+def _refusals_as_config_errors(before_training: Callable[[], bool], paths: dict[str, str]) -> Iterator[None]:
     """Turn a component's refusal (ValueError, Lightning's MisconfigurationException, a missing file) into
-    :class:`ConfigError` with the component's own message, as long as no training batch has run."""
+    :class:`ConfigError` with the component's own message, as long as no training batch has run.
+
+    The message starts with the config path of the setting it refuses (``paths``: see :func:`config_paths`)
+    when the component names its class and argument; Hydra's ``InstantiationException`` wrapper is removed.
+    """
     try:
         yield
     except ConfigError:
         raise
     except InstantiationException as error:
-        cause = error.__cause__ or error
-        raise ConfigError(f"{type(cause).__name__}: {cause}") from error
+        cause = error
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise _config_error(cause, paths) from error
     except (ValueError, MisconfigurationException, FileNotFoundError) as error:
         if not before_training():
             raise
-        raise ConfigError(f"{type(error).__name__}: {error}") from error
+        raise _config_error(error, paths) from error
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict."""
     t0 = time.perf_counter()
-    with _refusals_as_config_errors(lambda: True):
+    paths = config_paths(cfg)
+    with _refusals_as_config_errors(lambda: True, paths):
         check_config(cfg)  # the config alone: before anything is built
         check_activation_memory(cfg)  # probes a short-context copy of the model
         parts = build(cfg)
+        cfg = parts["cfg"]  # with the model's monitor filled in
         trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
         rows = startup_rows(cfg, parts)
     print_table("lit_speed run", rows)
 
     # a refusal raised while the Trainer sets up (strategy, precision, data, checkpoint) is a config error;
     # once a training batch has run, errors propagate unchanged, with their traceback
-    with _refusals_as_config_errors(lambda: parts["run_summary"].samples == 0):
+    with _refusals_as_config_errors(lambda: parts["run_summary"].samples == 0, paths):
         # ckpt_path=last -> the newest checkpoint that verifies (damaged ones are skipped with a warning)
         ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), trainer)
         check_checkpoint_matches(ckpt_path, model, parts["optimizer"])
@@ -161,23 +224,22 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run:
         val = trainer.validate(model, datamodule=dm, verbose=False)
         summary["final_val"] = {k: float(v) for k, v in (val[0] if val else {}).items()}
-    baseline = getattr(dm, "unigram_baseline", None)
-    if callable(baseline):
-        summary["unigram_baseline"] = baseline()
-    for part in [trainer.precision_plugin, trainer.strategy, *parts["callbacks"]]:
-        # components report their own end-of-run numbers (loss scale, verdicts, stop reason, ...)
-        extra = getattr(part, "final_summary", None)
-        if callable(extra):
-            summary.setdefault("components", {})[type(part).__name__] = extra()
+    extras = workload_extras(parts)
+    summary.update({extra.key: extra.value for extra in extras})
+    components = component_summaries(parts)  # loss scale, verdicts, stop reason, ...
+    if components:
+        summary["components"] = components
     summary["total_wall_time_s"] = round(time.perf_counter() - t0, 3)
     summary["startup"] = rows
     summary["config"] = OmegaConf.to_container(cfg, resolve=True)
-    write_summary(cfg, trainer, summary)
+    write_summary(cfg, trainer, summary, extras)
     return summary
 
 
 @rank_zero_only
-def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any]) -> None:
+def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any],
+                  extras: Sequence[SummaryExtra] = ()) -> None:
+    """Write ``summary.json`` into the run folder and print the end-of-run table."""
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -192,15 +254,18 @@ def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any])
     }
     for key, value in summary.get("final_val", {}).items():
         rows[f"final {key}"] = f"{value:.4f}"
-    if "unigram_baseline" in summary:
-        rows["unigram baseline val/loss"] = f"{summary['unigram_baseline']:.4f}"
+    for extra in extras:
+        rows[extra.label] = f"{extra.value:.4f}"
     rows["summary"] = str(out / "summary.json")
     print_table("lit_speed summary", rows)
 
 
 def optimized_metric(cfg: DictConfig, summary: dict[str, Any]) -> float | None:
-    """The value Hydra sweepers optimise: the monitor's final validation value, else its best value."""
+    """The value Hydra sweepers optimise: the monitor's final validation value, else its best value.
+
+    The monitor is the run's (``summary["monitor"]``: the model's own when ``cfg.monitor`` is null).
+    """
     final = summary.get("final_val", {})
-    value = final.get(cfg.monitor, summary.get("best_val"))
+    value = final.get(summary.get("monitor", cfg.get("monitor")), summary.get("best_val"))
     return None if value is None else float(value)
 

@@ -17,6 +17,14 @@ from lit_speed.accumulation.window import (NORMALIZE, batch_samples, count_items
                                            split_batch, window_scale)
 
 
+def _checked(arg: str, value: Any, check: Callable[..., Any], *args: Any) -> Any:
+    """``check(value, *args, arg)``; its ValueError says which constructor argument it is about."""
+    try:
+        return check(value, *args, arg)
+    except ValueError as error:
+        raise ValueError(f"AccumulationScheduler({arg}={value!r}): {error}") from error
+
+
 class AccumulationScheduler(Callback):
     """Accumulate gradients over a number of micro-batches that follows a schedule, normalised per item.
 
@@ -57,19 +65,22 @@ class AccumulationScheduler(Callback):
                  normalize: str = "samples", ignore_index: int = -100, lr_scaling: str = "none",
                  memory_budget_mb: Optional[float] = None, oom_recovery: bool = True) -> None:
         if (factors is None) == (effective_batch is None):
-            raise ValueError("accumulation: give exactly one of factors={0: 4, ...} or effective_batch={0: 256, ...}, "
-                             f"got factors={factors!r}, effective_batch={effective_batch!r}")
-        self.factors = validate_schedule(factors, "accumulation.factors") if factors is not None else None
-        self.effective_batch = (validate_schedule(effective_batch, "accumulation.effective_batch")
+            raise ValueError(f"AccumulationScheduler(factors={factors!r}): give exactly one of factors={{0: 4, ...}} "
+                             f"or effective_batch={{0: 256, ...}}, got factors={factors!r}, "
+                             f"effective_batch={effective_batch!r}")
+        self.factors = _checked("factors", factors, validate_schedule) if factors is not None else None
+        self.effective_batch = (_checked("effective_batch", effective_batch, validate_schedule)
                                 if effective_batch is not None else None)
-        self.unit = check_choice(unit, UNITS, "accumulation.unit")
-        self.ramp = check_choice(ramp, RAMPS, "accumulation.ramp")
-        self.normalize = check_choice(normalize, NORMALIZE, "accumulation.normalize")
-        self.lr_scaling = check_choice(lr_scaling, LR_SCALINGS, "accumulation.lr_scaling")
+        self.unit = _checked("unit", unit, check_choice, UNITS)
+        self.ramp = _checked("ramp", ramp, check_choice, RAMPS)
+        self.normalize = _checked("normalize", normalize, check_choice, NORMALIZE)
+        self.lr_scaling = _checked("lr_scaling", lr_scaling, check_choice, LR_SCALINGS)
         if micro_batch is not None and micro_batch != "auto" and (not isinstance(micro_batch, int) or micro_batch < 1):
-            raise ValueError(f"accumulation.micro_batch must be an int >= 1, 'auto' or null, got {micro_batch!r}")
+            raise ValueError(f"AccumulationScheduler(micro_batch={micro_batch!r}): micro_batch must be an int >= 1, "
+                             f"'auto' or None, got {micro_batch!r}")
         if micro_batch == "auto" and (self.effective_batch is None or not memory_budget_mb or memory_budget_mb <= 0):
-            raise ValueError("accumulation.micro_batch='auto' needs effective_batch={...} (the target to keep) and "
+            raise ValueError("AccumulationScheduler(micro_batch='auto'): micro_batch='auto' needs "
+                             "effective_batch={...} (the target to keep) and "
                              f"memory_budget_mb > 0, got effective_batch={effective_batch!r}, "
                              f"memory_budget_mb={memory_budget_mb!r}")
         self.micro_batch = micro_batch
@@ -127,11 +138,11 @@ class AccumulationScheduler(Callback):
         if trainer.accumulate_grad_batches != 1 and self._trainer is not trainer:
             raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and "
                              "AccumulationScheduler both set accumulation; remove accumulate_grad_batches from the "
-                             "Trainer (or use accumulation.factors={0: N})")
+                             "Trainer (or use AccumulationScheduler(factors={0: N}))")
         self._deepspeed = _is_deepspeed(trainer)
         if self._deepspeed and not _is_zero_strategy(trainer):
             raise ValueError(f"AccumulationScheduler with {type(trainer.strategy).__name__}: use "
-                             "lit_speed.ZeroStrategy (strategy=zero1|zero2|zero3), which keeps DeepSpeed's "
+                             "lit_speed.ZeroStrategy(stage=1|2|3), which keeps DeepSpeed's "
                              "gradient_accumulation_steps and boundary in step with this callback")
         if self.oom_recovery and (trainer.world_size > 1 or self._deepspeed):
             # a retry on one rank alone would desynchronise the collectives; DeepSpeed counts micro-steps itself
@@ -140,7 +151,8 @@ class AccumulationScheduler(Callback):
         dm = trainer.datamodule
         if isinstance(self.micro_batch, int) or self.micro_batch == "auto":
             if dm is None or not hasattr(dm, "batch_size"):
-                raise ValueError(f"accumulation.micro_batch={self.micro_batch!r} sets datamodule.batch_size, but "
+                raise ValueError(f"AccumulationScheduler(micro_batch={self.micro_batch!r}): micro_batch="
+                                 f"{self.micro_batch!r} sets datamodule.batch_size, but "
                                  f"{type(dm).__name__} has none; use micro_batch=null and size the DataLoader yourself")
             if self.micro_batch == "auto":
                 self.micro_batch = self._auto_micro_batch(trainer, pl_module)
@@ -175,7 +187,8 @@ class AccumulationScheduler(Callback):
             if not hasattr(optimizer, "override_loss_scale") or getattr(optimizer, "dynamic_loss_scale", False):
                 raise ValueError(f"AccumulationScheduler normalises ZeRO gradients through the loss scale of "
                                  f"DeepSpeed's ZeRO optimizer; {type(optimizer).__name__} (dynamic fp16 loss scaling "
-                                 f"or a non-ZeRO DeepSpeed optimizer) cannot; use precision=bf16-mixed or 32-true")
+                                 f"or a non-ZeRO DeepSpeed optimizer) cannot; use precision 'bf16-mixed' or "
+                                 f"'32-true'")
 
     # ------------------------------------------------------------------ the window
     def _position(self, trainer: "pl.Trainer") -> float:
@@ -189,11 +202,12 @@ class AccumulationScheduler(Callback):
         if self._loader_batch is None:
             self._loader_batch = batch_samples(batch)
             if isinstance(self.micro_batch, int) and self._loader_batch != self.micro_batch:
-                raise ValueError(f"accumulation.micro_batch={self.micro_batch} but the train DataLoader yields "
+                raise ValueError(f"AccumulationScheduler(micro_batch={self.micro_batch!r}): micro_batch="
+                                 f"{self.micro_batch} but the train DataLoader yields "
                                  f"batches of {self._loader_batch}; use micro_batch=null")
             if self.effective_batch is not None and self.ramp == "step":
-                check_divisible(self.effective_batch, self._loader_batch, trainer.world_size,
-                                "accumulation.effective_batch")
+                _checked("effective_batch", self.effective_batch, check_divisible, self._loader_batch,
+                         trainer.world_size)
         position = self._position(trainer)
         if self.factors is not None:
             self._factor = factor_at(self.factors, position, self.ramp)

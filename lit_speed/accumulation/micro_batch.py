@@ -75,7 +75,8 @@ def pick_micro_batch(bytes_per_sample: float, fixed_bytes: float, budget_bytes: 
     if not fitting:
         smallest = min(candidates)
         need = (fixed_bytes + smallest * bytes_per_sample) / 2**20
-        raise ValueError(f"accumulation.memory_budget_mb = {budget_bytes / 2**20:.1f} is too small: micro-batch "
+        raise ValueError(f"AccumulationScheduler(memory_budget_mb={budget_bytes / 2**20:.1f}): memory_budget_mb = "
+                         f"{budget_bytes / 2**20:.1f} is too small: micro-batch "
                          f"{smallest} needs {need:.1f} MiB of activations; raise the budget or shrink the model")
     return fitting[-1]
 
@@ -118,7 +119,8 @@ def probe_micro_batch(module: torch.nn.Module, batch: Any, effective_batch: Mapp
         ValueError: If the batch has fewer than 2 samples or nothing fits the budget.
     """
     if batch_samples(batch) < 2:
-        raise ValueError("accumulation.micro_batch='auto' probes micro-batches of 1 and 2 samples; "
+        raise ValueError("AccumulationScheduler(micro_batch='auto'): micro_batch='auto' probes micro-batches of 1 "
+                         "and 2 samples; "
                          "the datamodule's batch_size must be >= 2")
     was_training = module.training
     module.train()

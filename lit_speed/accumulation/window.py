@@ -50,11 +50,13 @@ def batch_targets(batch: Any) -> torch.Tensor:
         for key in _TARGET_KEYS:
             if isinstance(batch.get(key), torch.Tensor):
                 return batch[key]
-        raise ValueError(f"accumulation.normalize='tokens' needs the targets in batch[{'|'.join(_TARGET_KEYS)}], "
-                         f"got keys {list(batch)}; rename the key or use normalize='samples'")
+        raise ValueError(f"AccumulationScheduler(normalize='tokens'): normalize='tokens' needs the targets in "
+                         f"batch[{'|'.join(_TARGET_KEYS)}], got keys {list(batch)}; rename the key or use "
+                         "normalize='samples'")
     tensors = _tensors(batch)
     if not tensors:
-        raise ValueError("accumulation.normalize='tokens' needs a batch holding tensors, got "
+        raise ValueError("AccumulationScheduler(normalize='tokens'): normalize='tokens' needs a batch holding "
+                         "tensors, got "
                          f"{type(batch).__name__}; use normalize='micro_batch'")
     return tensors[-1]
 
@@ -67,7 +69,8 @@ def count_items(batch: Any, normalize: str, ignore_index: int = -100) -> int:
         return batch_samples(batch)
     targets = batch_targets(batch)
     if targets.is_floating_point():
-        raise ValueError("accumulation.normalize='tokens' counts integer targets != ignore_index, got a "
+        raise ValueError("AccumulationScheduler(normalize='tokens'): normalize='tokens' counts integer targets != "
+                         "ignore_index, got a "
                          f"{targets.dtype} target tensor; use normalize='samples'")
     return int((targets != ignore_index).sum())
 

@@ -151,10 +151,12 @@ class FaultTolerance(Callback):
     def __init__(self, atomic_checkpoints: bool = True, keep_previous: bool = True, restore_rng: bool = True,
                  check_every_n_steps: int = 1, on_nonfinite_weights: str = "warn", save_on_signal: bool = True) -> None:
         if on_nonfinite_weights not in NONFINITE_POLICIES:
-            raise ValueError(f"callbacks.fault_tolerance.on_nonfinite_weights must be one of {NONFINITE_POLICIES}, "
-                             f"got {on_nonfinite_weights!r}. Fix: on_nonfinite_weights=warn (report) or raise (fail).")
+            raise ValueError(f"FaultTolerance(on_nonfinite_weights={on_nonfinite_weights!r}): on_nonfinite_weights must "
+                             f"be one of {NONFINITE_POLICIES}, "
+                             f"got {on_nonfinite_weights!r}. Fix: on_nonfinite_weights='warn' (report) or 'raise' (fail).")
         if not isinstance(check_every_n_steps, int) or check_every_n_steps < 0:
-            raise ValueError(f"callbacks.fault_tolerance.check_every_n_steps must be an int >= 0 (0 = never), "
+            raise ValueError(f"FaultTolerance(check_every_n_steps={check_every_n_steps!r}): check_every_n_steps must "
+                             f"be an int >= 0 (0 = never), "
                              f"got {check_every_n_steps!r}. Fix: check_every_n_steps=1.")
         self.atomic_checkpoints = atomic_checkpoints
         self.keep_previous = keep_previous

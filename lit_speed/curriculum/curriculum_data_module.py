@@ -101,8 +101,9 @@ class CurriculumDataModule(pl.LightningDataModule):
         self.sampler: CurriculumSampler | None = None
         inner = getattr(datamodule, "block_size", None)
         if block_size is not None and inner is not None and block_size != inner:
-            raise ValueError(f"block_size={block_size} differs from the wrapped datamodule's block_size={inner}; "
-                             "set one value (the Hydra option wires data.datamodule.block_size to data.block_size)")
+            raise ValueError(f"CurriculumDataModule(block_size={block_size}): block_size={block_size} differs from "
+                             f"the wrapped datamodule's block_size={inner}; set one value (or leave block_size=None "
+                             "to take the wrapped datamodule's)")
         self.block_size = block_size if block_size is not None else inner
         self.full_seq_len: int | None = self.block_size
         self._pending_state: dict[str, Any] | None = None

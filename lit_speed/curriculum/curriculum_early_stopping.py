@@ -64,12 +64,14 @@ class CurriculumEarlyStopping(Callback):
                  strict: bool = True) -> None:
         super().__init__()
         if mode not in MODES:
-            raise ValueError(f"early_stopping.mode must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"CurriculumEarlyStopping(mode={mode!r}): mode must be one of {MODES}, got {mode!r}")
         if patience_unit not in PATIENCE_UNITS:
-            raise ValueError(f"early_stopping.patience_unit must be one of {PATIENCE_UNITS}, got {patience_unit!r}")
+            raise ValueError(f"CurriculumEarlyStopping(patience_unit={patience_unit!r}): patience_unit must be one of "
+                             f"{PATIENCE_UNITS}, got {patience_unit!r}")
         for name, value in (("patience", patience), ("min_delta", min_delta), ("time_budget_s", time_budget_s)):
             if value is not None and value < 0:
-                raise ValueError(f"early_stopping.{name} must be >= 0 (or null to disable), got {value}")
+                raise ValueError(f"CurriculumEarlyStopping({name}={value!r}): {name} must be >= 0 (or None to disable), "
+                                 f"got {value}")
         self.monitor, self.mode, self.patience, self.patience_unit = monitor, mode, patience, patience_unit
         self.min_delta, self.stop_at, self.divergence_threshold = min_delta, stop_at, divergence_threshold
         self.check_finite, self.time_budget_s = check_finite, time_budget_s
@@ -126,7 +128,7 @@ class CurriculumEarlyStopping(Callback):
         if value is None:
             if self.strict:
                 raise RuntimeError(f"early stopping monitors {self.monitor!r}, which was not logged; available: "
-                                   f"{sorted(trainer.callback_metrics)}; set callbacks.early_stopping.monitor")
+                                   f"{sorted(trainer.callback_metrics)}; set CurriculumEarlyStopping(monitor=...)")
             return
         widening = self.wait_for_curriculum and bool(getattr(trainer.datamodule, "is_widening", False))
         reason, message = self.check(float(value), trainer.global_step, self.elapsed(), widening)

@@ -23,6 +23,7 @@ from typing_extensions import override
 from lit_speed.data.pipeline import (BatchFetch, check_worker_options, loader_kwargs,
                                      resolve_num_workers, resolve_pin_memory)
 from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
+from lit_speed.run_contract import SummaryExtra
 
 # A fixed vocabulary (tab, newline, printable ASCII) so token ids never depend on corpus content;
 # any other character maps to "?" (index of "?").
@@ -100,9 +101,9 @@ def build_corpus(
         root: Source folder; defaults to this interpreter's standard library.
     """
     if max_bytes < 10_000:
-        raise ValueError(f"data.max_bytes must be >= 10000, got {max_bytes}")
+        raise ValueError(f"max_bytes must be >= 10000, got {max_bytes}")
     if val_every < 2:
-        raise ValueError(f"data.val_every must be >= 2 (every n-th file goes to validation), got {val_every}")
+        raise ValueError(f"val_every must be >= 2 (every n-th file goes to validation), got {val_every}")
     root = Path(root or sysconfig.get_paths()["stdlib"])
     digest = hashlib.sha256(f"v1|{max_bytes}|{val_every}".encode())
     texts: list[tuple[str, str]] = []
@@ -123,7 +124,7 @@ def build_corpus(
         if total >= max_bytes:
             break
     if not texts:
-        raise FileNotFoundError(f"no readable .py files under {root}; pass data.root= a folder of Python sources")
+        raise FileNotFoundError(f"no readable .py files under {root}; pass root= a folder of Python sources")
     content_hash = digest.hexdigest()[:16]
     cache_dir = Path(cache_dir)
     stem = cache_dir / f"charlm-{content_hash}"
@@ -235,7 +236,7 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         super().__init__()
         for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_val_windows", max_val_windows)):
             if value < 1:
-                raise ValueError(f"data.{name} must be >= 1, got {value}")
+                raise ValueError(f"CharLMDataModule({name}={value!r}): {name} must be >= 1, got {value}")
         check_worker_options(num_workers, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["batch_transform"])
         self.batch_transform = batch_transform
@@ -263,8 +264,13 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         self.val_dataset = torch.utils.data.Subset(val, np.unique(idx).tolist())
 
     def unigram_baseline(self) -> float:
+        """Validation loss (nats/char) of a model that knows only the training text's character frequencies."""
         self.setup()
         return unigram_cross_entropy(self.corpus.train_tokens(), self.corpus.val_tokens())
+
+    def summary_extras(self) -> list[SummaryExtra]:
+        """The unigram baseline, for ``summary.json`` (``unigram_baseline``) and the end-of-run table."""
+        return [SummaryExtra("unigram_baseline", "unigram baseline val/loss", self.unigram_baseline())]
 
     def _loader_kwargs(self) -> dict[str, Any]:
         h = self.hparams

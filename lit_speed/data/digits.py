@@ -64,9 +64,10 @@ class DigitsDataModule(ResumableOrderHooks, pl.LightningDataModule):
                  preload: bool = True, batch_transform: Callable[[Any], Any] | None = None) -> None:
         super().__init__()
         if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+            raise ValueError(f"DigitsDataModule(batch_size={batch_size!r}): batch_size must be >= 1, got {batch_size}")
         if isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+            raise ValueError(f"DigitsDataModule(num_workers={num_workers!r}): num_workers must be >= 0, "
+                             f"got {num_workers}")
         check_worker_options(num_workers, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["batch_transform"])
         self.batch_size = batch_size

@@ -32,7 +32,7 @@ def resolve_num_workers(value: int | str, preloaded: bool) -> int:
     if value == "auto":
         return 0 if preloaded else max(0, min(8, available_cores() - 1))
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"data.num_workers must be 'auto' or an int >= 0, got {value!r}")
+        raise ValueError(f"num_workers must be 'auto' or an int >= 0, got {value!r}")
     return value
 
 
@@ -46,7 +46,7 @@ def resolve_pin_memory(value: bool | str, trainer: Any = None) -> bool:
         device = getattr(getattr(trainer, "strategy", None), "root_device", None)
         return device is not None and device.type == "cuda"
     if not isinstance(value, bool):
-        raise ValueError(f"data.pin_memory must be 'auto', true or false, got {value!r}")
+        raise ValueError(f"pin_memory must be 'auto', True or False, got {value!r}")
     return value
 
 
@@ -59,11 +59,11 @@ def check_worker_options(num_workers: int | str, persistent_workers: bool | None
     """
     resolve_num_workers(num_workers, preloaded=False)  # validates the value itself
     if num_workers == 0 and (persistent_workers or prefetch_factor is not None):
-        raise ValueError(f"data.persistent_workers={persistent_workers} and data.prefetch_factor={prefetch_factor} "
-                         "need data.num_workers > 0 (they configure worker processes); set num_workers, or "
-                         "persistent_workers=false and prefetch_factor=null")
+        raise ValueError(f"persistent_workers={persistent_workers} and prefetch_factor={prefetch_factor} "
+                         "need num_workers > 0 (they configure worker processes); set num_workers, or "
+                         "persistent_workers=False and prefetch_factor=None")
     if prefetch_factor is not None and prefetch_factor < 1:
-        raise ValueError(f"data.prefetch_factor must be >= 1 or null, got {prefetch_factor}")
+        raise ValueError(f"prefetch_factor must be >= 1 or None, got {prefetch_factor}")
 
 
 def loader_kwargs(num_workers: int, pin_memory: bool, persistent_workers: bool,

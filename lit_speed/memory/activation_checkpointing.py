@@ -61,13 +61,13 @@ def resolve_module_types(specs: Iterable[str | type], root: nn.Module) -> list[t
             try:
                 resolved.append(getattr(importlib.import_module(module_name), cls_name))
             except (ImportError, AttributeError) as error:
-                raise ValueError(f"checkpointing.modules: cannot import {spec!r} ({error}); give a class name "
+                raise ValueError(f"modules: cannot import {spec!r} ({error}); give a class name "
                                  f"such as 'Block' or a full import path such as 'lit_speed.models.gpt.Block'") from None
         elif spec in by_name:
             resolved += by_name[spec]
         else:
             names = ", ".join(sorted(by_name))
-            raise ValueError(f"checkpointing.modules: no submodule of type {spec!r} in {type(root).__name__}. "
+            raise ValueError(f"modules: no submodule of type {spec!r} in {type(root).__name__}. "
                              f"Types present: {names}. Pick the repeated block, e.g. modules=[Block]")
     return resolved
 
@@ -89,7 +89,8 @@ def checkpoint_modules(root: nn.Module, types: Sequence[str | type], offload: bo
         ValueError: ``types`` is empty, names an unknown type, or matches no submodule.
     """
     if not types:
-        raise ValueError("checkpointing.modules is empty: name the submodule types to checkpoint, e.g. [Block]")
+        raise ValueError("checkpoint_modules(types=[]): types is empty: name the submodule types to checkpoint, "
+                         "e.g. [Block]")
     classes = tuple(resolve_module_types(types, root))
     wrapped = []
     for name, module in root.named_modules():
@@ -98,7 +99,7 @@ def checkpoint_modules(root: nn.Module, types: Sequence[str | type], offload: bo
             setattr(module, _ATTR, True)
             wrapped.append(name)
     if not wrapped and not any(getattr(m, _ATTR, False) for m in root.modules()):
-        raise ValueError(f"checkpointing.modules={list(map(str, types))} matched no submodule of "
+        raise ValueError(f"checkpoint_modules(types={list(map(str, types))}): matched no submodule of "
                          f"{type(root).__name__} (the root module itself is never wrapped)")
     return wrapped
 
@@ -138,7 +139,8 @@ class ActivationCheckpointing(Callback):
             modules = [modules]
         modules = list(modules)
         if not modules or not all(isinstance(m, (str, type)) for m in modules):
-            raise ValueError(f"checkpointing.modules must be a non-empty list of class names, import paths or "
+            raise ValueError(f"ActivationCheckpointing(modules={modules!r}): modules must be a non-empty list of class "
+                             f"names, import paths or "
                              f"classes, got {modules!r}; e.g. modules=[Block]")
         self.modules = modules
         self.offload = bool(offload)

@@ -35,11 +35,11 @@ class Lion(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0) -> None:
         if lr < 0:
-            raise ValueError(f"optimizer.lr must be >= 0, got {lr}")
+            raise ValueError(f"Lion(lr={lr}): lr must be >= 0, got {lr}")
         if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-            raise ValueError(f"optimizer.betas must be two values in [0, 1), got {tuple(betas)}")
+            raise ValueError(f"Lion(betas={tuple(betas)}): betas must be two values in [0, 1), got {tuple(betas)}")
         if weight_decay < 0:
-            raise ValueError(f"optimizer.weight_decay must be >= 0, got {weight_decay}")
+            raise ValueError(f"Lion(weight_decay={weight_decay}): weight_decay must be >= 0, got {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
 
     @torch.no_grad()

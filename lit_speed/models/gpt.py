@@ -62,7 +62,7 @@ class GPT(nn.Module):
                  dropout: float = 0.0, bias: bool = False) -> None:
         super().__init__()
         if n_embd % n_head:
-            raise ValueError(f"model.n_embd ({n_embd}) must be divisible by model.n_head ({n_head})")
+            raise ValueError(f"GPT(n_embd={n_embd}): n_embd ({n_embd}) must be divisible by n_head ({n_head})")
         self.block_size = block_size
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
@@ -86,7 +86,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.size(1)
         if t > self.block_size:
-            raise ValueError(f"sequence length {t} exceeds model.block_size {self.block_size}")
+            raise ValueError(f"sequence length {t} exceeds the model's block_size {self.block_size}")
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
@@ -119,8 +119,11 @@ class GPTModule(pl.LightningModule):
                  scheduler: Callable[..., Any] | None = None, weight_decay: float = 0.1) -> None:
         super().__init__()
         if min(n_layer, n_head, n_embd, block_size) < 1:
-            raise ValueError(f"model.n_layer, n_head, n_embd and block_size must be >= 1, got n_layer={n_layer}, "
-                             f"n_head={n_head}, n_embd={n_embd}, block_size={block_size}. Fix: model.n_layer=4")
+            sizes = {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": block_size}
+            bad = next(name for name, size in sizes.items() if size < 1)
+            raise ValueError(f"GPTModule({bad}={sizes[bad]}): n_layer, n_head, n_embd and block_size must be >= 1, "
+                             f"got n_layer={n_layer}, n_head={n_head}, n_embd={n_embd}, block_size={block_size}. "
+                             f"Fix: {bad}=<an int >= 1>, e.g. n_layer=4")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias)
         self.optimizer_factory = optimizer

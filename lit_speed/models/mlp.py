@@ -34,7 +34,9 @@ class MLPClassifier(pl.LightningModule):
                  scheduler: Callable[..., Any] | None = None, weight_decay: float = 0.0) -> None:
         super().__init__()
         if depth < 1 or hidden < 1:
-            raise ValueError(f"model.depth and model.hidden must be >= 1, got depth={depth}, hidden={hidden}")
+            bad = "depth" if depth < 1 else "hidden"
+            raise ValueError(f"MLPClassifier({bad}={depth if bad == 'depth' else hidden}): depth and hidden must be "
+                             f">= 1, got depth={depth}, hidden={hidden}")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         layers: list[nn.Module] = []
         width = in_features

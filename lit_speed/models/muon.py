@@ -67,9 +67,9 @@ class MuonAdamW(Optimizer):
                     out.append({**rest, "params": [group["params"][i] for i in idx],
                                 "param_names": [group["param_names"][i] for i in idx]})
         if not muon_groups:
-            raise ValueError("optimizer=muon found no 2-D hidden weight matrix for Muon (all parameters are "
-                             "embeddings, head, norms or biases). Fix: optimizer=adamw for this model, or adjust "
-                             "optimizer.adamw_names.")
+            raise ValueError("MuonAdamW found no 2-D hidden weight matrix for Muon (all parameters are "
+                             "embeddings, head, norms or biases). Fix: AdamW for this model, or adjust "
+                             "adamw_names.")
         self.muon = BatchedMuon(muon_groups, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                          adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay)
         self.adamw = AdamW(adamw_groups, lr=adamw_lr, betas=betas, eps=eps, weight_decay=weight_decay) \

@@ -93,14 +93,14 @@ def configure_optimizers(module: "torch.nn.Module", optimizer: OptimizerFactory 
                          total_steps: int, strategy: Any = None) -> Any:
     """Build the ``configure_optimizers`` return value from Hydra partials (``strategy``: refuse what cannot run)."""
     if optimizer is None:
-        raise ValueError("model.optimizer is not set: pass a partial, e.g. optimizer=adamw in Hydra "
-                         "or functools.partial(torch.optim.AdamW, lr=1e-3) in Python")
+        raise ValueError(f"{type(module).__name__}(optimizer=None): optimizer is not set: pass a partial, e.g. "
+                         "functools.partial(torch.optim.AdamW, lr=1e-3) (in Hydra: optimizer=adamw)")
     wants_names = bool(getattr(getattr(optimizer, "func", optimizer), "wants_param_names", False))
     if wants_names and strategy is not None and "DeepSpeedStrategy" in {c.__name__ for c in type(strategy).__mro__}:
-        raise ValueError("optimizer=muon cannot run under a DeepSpeed ZeRO strategy: ZeRO flattens parameters "
-                         "into 1-D partitions (and offload steps on the CPU with its own Adam), so Muon's 2-D "
-                         "matrices do not exist there. Fix: strategy=auto or ddp with optimizer=muon, or keep "
-                         "ZeRO with optimizer=adamw (or cpu_adam for offload).")
+        raise ValueError(f"{type(module).__name__}(optimizer=MuonAdamW): MuonAdamW cannot run under a DeepSpeed "
+                         "ZeRO strategy: ZeRO flattens parameters into 1-D partitions (and offload steps on the CPU "
+                         "with its own Adam), so Muon's 2-D matrices do not exist there. Fix: Trainer(strategy='auto' "
+                         "or 'ddp') with MuonAdamW, or keep ZeRO with AdamW (or DeepSpeedCPUAdam for offload).")
     opt = optimizer(param_groups(module, weight_decay, names=wants_names))
     if scheduler is None:
         return opt

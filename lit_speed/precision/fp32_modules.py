@@ -41,7 +41,8 @@ def match_modules(model: nn.Module, specs: Sequence[str | type]) -> dict[str, nn
                 hits[name] = module
         if not hits:
             present = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(f"precision.fp32_modules entry {spec!r} matches no module of {type(model).__name__}. "
+            raise ValueError(f"GuardedPrecision(fp32_modules={list(specs)!r}): fp32_modules entry {spec!r} "
+                             f"matches no module of {type(model).__name__}. "
                              f"Use a class name ({', '.join(present)}) or a module name from named_modules().")
         found.update(hits)
     # a matched module inside another matched one is covered by its parent's hooks

@@ -65,15 +65,17 @@ class GuardedPrecision(Precision):
             on_nonfinite = "skip" if mode == "bf16-true" else "fallback"
         self._user_chain = modes.check_chain(mode, fallback_chain, on_nonfinite)
         if not (isinstance(fallback_after, int) and fallback_after >= 1):
-            raise ValueError(f"precision.fallback_after must be an int >= 1, got {fallback_after!r}")
+            raise ValueError(f"GuardedPrecision(fallback_after={fallback_after!r}): fallback_after must be an int "
+                             f">= 1, got {fallback_after!r}")
         if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1
                 and 0 < min_scale <= init_scale):
-            raise ValueError("precision scaler settings need init_scale > 0, growth_factor > 1, 0 < backoff_factor"
-                             " < 1, growth_interval >= 1 and 0 < min_scale <= init_scale; got "
+            raise ValueError("GuardedPrecision: the scaler settings need init_scale > 0, growth_factor > 1, 0 < "
+                             "backoff_factor < 1, growth_interval >= 1 and 0 < min_scale <= init_scale; got "
                              f"init_scale={init_scale}, growth_factor={growth_factor}, backoff_factor="
                              f"{backoff_factor}, growth_interval={growth_interval}, min_scale={min_scale}")
         if matmul_precision not in (None, "highest", "high", "medium"):
-            raise ValueError(f"precision.matmul_precision must be highest, high, medium or null; got "
+            raise ValueError(f"GuardedPrecision(matmul_precision={matmul_precision!r}): matmul_precision must be "
+                             f"'highest', 'high', 'medium' or None; got "
                              f"{matmul_precision!r}")
         self.on_nonfinite = on_nonfinite
         self.fallback_after = fallback_after
@@ -279,11 +281,11 @@ class GuardedPrecision(Precision):
         if self.on_nonfinite == "fallback":
             return (f"GuardedPrecision: step {step} is still non-finite ({what}) after falling back to "
                     f"{self.mode}{scale_txt}: this is not a precision problem. Try a lower learning rate, "
-                    f"gradient clipping (trainer.gradient_clip_val=1.0), or check the data and the loss.")
+                    f"gradient clipping (Trainer(gradient_clip_val=1.0)), or check the data and the loss.")
         return (f"GuardedPrecision: non-finite values at step {step} under {self.mode} ({what}{scale_txt}); "
                 f"on_nonfinite='raise' stops here. Try on_nonfinite=fallback (continue in "
                 f"{' -> '.join(self._chain) or '32-true'}), a lower learning rate, gradient clipping "
-                f"(trainer.gradient_clip_val=1.0), or fp32_modules=[LayerNorm] for the layers that overflow.")
+                f"(Trainer(gradient_clip_val=1.0)), or fp32_modules=[LayerNorm] for the layers that overflow.")
 
     def _fall_back(self, step: int, what: str) -> None:
         old, self.mode = self.mode, self._chain.pop(0)

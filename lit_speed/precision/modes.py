@@ -37,8 +37,8 @@ def compute_dtype(mode: str) -> torch.dtype:
 def check_mode(mode: Any) -> str:
     """Return ``mode`` if it is a known mode, else raise a ``ValueError`` that lists the choices."""
     if mode not in MODES:
-        raise ValueError(f"precision.mode must be one of {', '.join(MODES)}; got {mode!r}. Fix: pick one, "
-                         f"e.g. precision=bf16-mixed on the command line or GuardedPrecision(mode='bf16-mixed').")
+        raise ValueError(f"GuardedPrecision(mode={mode!r}): mode must be one of {', '.join(MODES)}; got {mode!r}. "
+                         f"Fix: pick one, e.g. GuardedPrecision(mode='bf16-mixed').")
     return str(mode)
 
 
@@ -72,9 +72,10 @@ def check_device_support(mode: str, device_type: str, cuda_bf16: bool) -> None:
                          f"{device_type!r}. Fix: Trainer(accelerator='cpu' or 'gpu'), or use Lightning's own "
                          f"precision plugin for {device_type}.")
     if device_type == "cuda" and mode in ("bf16-mixed", "bf16-true", "bf16-master") and not cuda_bf16:
-        raise ValueError(f"precision.mode={mode!r} needs bf16 support, which this CUDA device lacks "
+        raise ValueError(f"GuardedPrecision(mode={mode!r}): mode={mode!r} needs bf16 support, which this CUDA "
+                         f"device lacks "
                          f"(torch.cuda.is_bf16_supported() is False; bf16 needs Ampere or newer). "
-                         f"Fix: precision=16-mixed (fp16 with loss scaling) or precision=auto.")
+                         f"Fix: mode='16-mixed' (fp16 with loss scaling) or mode='auto'.")
 
 
 def default_chain(mode: str, bf16_ok: bool = True) -> list[str]:
@@ -90,19 +91,21 @@ def default_chain(mode: str, bf16_ok: bool = True) -> list[str]:
 def check_chain(mode: str, chain: Sequence[str] | None, on_nonfinite: str) -> list[str] | None:
     """Validate a user's fallback chain (``None`` = the default chain, resolved once the device is known)."""
     if on_nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"precision.on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}; got "
-                         f"{on_nonfinite!r}. Fix: on_nonfinite=fallback to switch mode after repeated bad steps.")
+        raise ValueError(f"GuardedPrecision(on_nonfinite={on_nonfinite!r}): on_nonfinite must be one of "
+                         f"{', '.join(NONFINITE_POLICIES)}; got {on_nonfinite!r}. Fix: on_nonfinite='fallback' to "
+                         "switch mode after repeated bad steps.")
     if on_nonfinite == "fallback" and mode == "bf16-true":
-        raise ValueError("precision.on_nonfinite='fallback' needs a mixed mode (float32 weights to fall back "
-                         "to); bf16-true keeps the weights in bf16. Fix: on_nonfinite=skip or raise with "
-                         "bf16-true, or mode=bf16-mixed.")
+        raise ValueError("GuardedPrecision(on_nonfinite='fallback'): on_nonfinite='fallback' needs a mixed mode "
+                         "(float32 weights to fall back to); bf16-true keeps the weights in bf16. Fix: "
+                         "on_nonfinite='skip' or 'raise' with mode='bf16-true', or mode='bf16-mixed'.")
     if chain is None:
         return None
     chain = list(chain)
     bad = [m for m in chain if m not in CHAIN_MODES]
     if bad or len(set(chain)) != len(chain) or mode in chain:
-        raise ValueError(f"precision.fallback_chain must list distinct modes from {', '.join(CHAIN_MODES)}, "
-                         f"without the starting mode {mode!r}; got {chain}. Fix: e.g. fallback_chain=[32-true].")
+        raise ValueError(f"GuardedPrecision(fallback_chain={chain!r}): fallback_chain must list distinct modes from "
+                         f"{', '.join(CHAIN_MODES)}, without the starting mode {mode!r}; got {chain}. Fix: e.g. "
+                         "fallback_chain=['32-true'].")
     return chain
 
 
@@ -118,15 +121,17 @@ def check_strategy(mode: str, strategy: Any) -> None:
         raise ValueError(
             f"GuardedPrecision(mode={mode!r}) is installed under {type(strategy).__name__}, which did not take "
             "precision over: DeepSpeed runs its own loss scaler, backward and step, so this plugin would "
-            "double-scale or bypass it. Fix: strategy=zero1|zero2|zero3 (lit_speed.ZeroStrategy configures "
+            "double-scale or bypass it. Fix: lit_speed.ZeroStrategy(stage=1|2|3) (it configures "
             "DeepSpeed's bf16/fp16 from this plugin), or drop the plugin and pass Trainer(precision=...).")
     if mode == "bf16-master" and names & {"DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
         raise ValueError(
-            f"precision.mode='bf16-master' runs on one process for now: its gradient hook moves each bf16 gradient "
-            f"into the float32 master before {type(strategy).__name__} could all-reduce it. Fix: precision=bf16-mixed "
-            f"(float32 weights, autocast) for multi-process runs, or strategy=auto on one device.")
+            f"GuardedPrecision(mode='bf16-master'): mode='bf16-master' runs on one process for now: its gradient "
+            f"hook moves each bf16 gradient into the float32 master before {type(strategy).__name__} could all-reduce "
+            f"it. Fix: mode='bf16-mixed' (float32 weights, autocast) for multi-process runs, or a single-device "
+            f"strategy.")
     if mode == "16-mixed" and names & {"FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
         raise ValueError(
-            f"precision.mode='16-mixed' needs loss scaling, which GuardedPrecision cannot do under "
+            f"GuardedPrecision(mode='16-mixed'): mode='16-mixed' needs loss scaling, which GuardedPrecision cannot "
+            f"do under "
             f"{type(strategy).__name__} (sharded gradients need that strategy's own scaler). Fix: "
-            f"mode=bf16-mixed (no scaler needed), or Trainer(precision='16-mixed') without this plugin.")
+            f"mode='bf16-mixed' (no scaler needed), or Trainer(precision='16-mixed') without this plugin.")

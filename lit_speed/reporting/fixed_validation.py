@@ -153,7 +153,7 @@ class FixedValidationClock(Callback):
         dataset = getattr(trainer.datamodule, "val_dataset", None)
         if dataset is None:
             raise ValueError("FixedValidationClock needs a datamodule with a val_dataset of (x, y) windows "
-                             "(e.g. data=charlm). Fix: use CharLMDataModule or drop this callback.")
+                             "(e.g. CharLMDataModule). Fix: use CharLMDataModule or drop this callback.")
         self.probe = TokenCadenceProbe(dataset, self.every_tokens, self.target)
 
     @override

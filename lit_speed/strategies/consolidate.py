@@ -72,6 +72,6 @@ def check_resume_world_size(checkpoint_dir: str | Path, world_size: int) -> None
     if saved is not None and saved != world_size:
         raise ValueError(
             f"ckpt_path={str(checkpoint_dir)!r} was saved by {saved} ZeRO rank(s) but this run has {world_size}: "
-            "DeepSpeed cannot re-partition ZeRO optimizer state. Resume with trainer.devices x trainer.num_nodes = "
+            "DeepSpeed cannot re-partition ZeRO optimizer state. Resume with Trainer(devices) x Trainer(num_nodes) = "
             f"{saved}, or consolidate the weights (python scripts/consolidate.py <dir> model.ckpt) and start a new "
             "run from them (optimizer and LR-scheduler state are then lost)")

@@ -79,7 +79,7 @@ def validate_config(config: Mapping[str, Any]) -> None:
     _check_keys("the top level", config, KNOWN_TOP_LEVEL_KEYS)
     if "gradient_accumulation_steps" in config:
         raise ValueError("ZeroStrategy(config=...): do not set 'gradient_accumulation_steps'; it follows "
-                         "trainer.accumulate_grad_batches (Hydra: accumulation=fixed|ramp)")
+                         "Trainer(accumulate_grad_batches=N) or an AccumulationScheduler (Hydra: accumulation=fixed|ramp)")
     zero = config.get("zero_optimization", {})
     schema = _zero_schema()
     _check_keys("zero_optimization", zero, schema["zero_optimization"])
@@ -88,11 +88,13 @@ def validate_config(config: Mapping[str, Any]) -> None:
             _check_keys(f"zero_optimization.{name}", zero[name], schema[f"zero_optimization.{name}"])
     stage = zero.get("stage", 0)
     if stage not in (1, 2, 3):
-        raise ValueError(f"stage must be one of (1, 2, 3), got {stage!r}; for no sharding use strategy=ddp")
+        raise ValueError(f"ZeroStrategy(stage={stage!r}): stage must be one of (1, 2, 3), got {stage!r}; for no "
+                         "sharding use Trainer(strategy='ddp')")
     if stage < 3:
         if zero.get("offload_param"):
-            raise ValueError(f"offload_parameters=True needs stage=3 (ZeRO shards parameters only at stage 3), "
-                             f"got stage={stage}; use strategy=zero3_offload or set offload_parameters=false")
+            raise ValueError(f"ZeroStrategy(offload_parameters=True): offload_parameters=True needs stage=3 (ZeRO "
+                             f"shards parameters only at stage 3), got stage={stage}; use stage=3 (Hydra: "
+                             "strategy=zero3_offload) or set offload_parameters=False")
         stage3_keys = sorted(k for k in zero if str(k).startswith("stage3_"))
         if stage3_keys:
             raise ValueError(f"{stage3_keys} only apply at stage 3, got stage={stage}: DeepSpeed would ignore them; "

@@ -88,7 +88,8 @@ class ZeroStrategy(DeepSpeedStrategy):
                  process_group_backend: str | None = None, precision_plugin: Precision | None = None,
                  **kwargs: Any) -> None:
         if stage not in (1, 2, 3):
-            raise ValueError(f"stage must be one of (1, 2, 3), got {stage!r}; for no sharding use strategy=ddp")
+            raise ValueError(f"ZeroStrategy(stage={stage!r}): stage must be one of (1, 2, 3), got {stage!r}; for no "
+                             "sharding use Trainer(strategy='ddp')")
         self._source_precision: Any = None
         super().__init__(stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
                          pin_memory=pin_memory, contiguous_gradients=contiguous_gradients, overlap_comm=overlap_comm,

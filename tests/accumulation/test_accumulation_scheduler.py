@@ -163,14 +163,19 @@ def test_auto_micro_batch_fits_the_budget_and_keeps_the_effective_batch():
 
 # ---------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(factors={0: 1, 10: 4, 5: 8}), r"accumulation.factors keys must be strictly increasing"),
-    (dict(factors={0: 0}), r"accumulation.factors: every factor must be >= 1, got \[0\]"),
+    (dict(factors={0: 1, 10: 4, 5: 8}),
+     r"AccumulationScheduler\(factors=.*\): factors keys must be strictly increasing"),
+    (dict(factors={0: 0}),
+     r"AccumulationScheduler\(factors=\{0: 0\}\): factors: every factor must be >= 1, got \[0\]"),
     (dict(), r"give exactly one of factors"),
     (dict(factors={0: 2}, effective_batch={0: 64}), r"give exactly one of factors"),
-    (dict(factors={0: 2}, unit="batches"), r"accumulation.unit must be one of \('step', 'epoch', 'samples', 'tokens'\)"),
-    (dict(factors={0: 2}, normalize="mean"), r"accumulation.normalize must be one of"),
-    (dict(factors={0: 2}, lr_scaling="cubic"), r"accumulation.lr_scaling must be one of"),
-    (dict(factors={0: 2}, micro_batch=0), r"accumulation.micro_batch must be an int >= 1, 'auto' or null, got 0"),
+    (dict(factors={0: 2}, unit="batches"),
+     r"AccumulationScheduler\(unit='batches'\): unit must be one of \('step', 'epoch', 'samples', 'tokens'\)"),
+    (dict(factors={0: 2}, normalize="mean"), r"AccumulationScheduler\(normalize='mean'\): normalize must be one of"),
+    (dict(factors={0: 2}, lr_scaling="cubic"),
+     r"AccumulationScheduler\(lr_scaling='cubic'\): lr_scaling must be one of"),
+    (dict(factors={0: 2}, micro_batch=0),
+     r"AccumulationScheduler\(micro_batch=0\): micro_batch must be an int >= 1, 'auto' or None, got 0"),
     (dict(effective_batch={0: 64}, micro_batch="auto"), r"micro_batch='auto' needs .* memory_budget_mb > 0"),
 ])
 def test_constructor_errors(kwargs, match):

@@ -27,10 +27,14 @@ CASES = {
                        False),
     "unknown_key": (["trainer.max_epoch=3"], r"no key 'max_epoch' in 'trainer'\. Did you mean trainer\.max_epochs",
                     False),
-    "out_of_range_constructor": (["data.batch_size=0"], r"data\.batch_size must be >= 1, got 0", False),
+    "out_of_range_constructor": (["data.batch_size=0"],
+                                 r"data\.batch_size=0: DigitsDataModule\(batch_size=0\): batch_size must be "
+                                 r">= 1, got 0",
+                                 False),
     "damaged_checkpoint": ([f"ckpt_path={DAMAGED}"], r"damaged\.ckpt is unusable: it is truncated or not a "
                            r"torch\.save archive.*Fix: ", False),
-    "out_of_range_model": (["model.depth=0"], r"model\.depth and model\.hidden must be >= 1, got depth=0", True),
+    "out_of_range_model": (["model.depth=0"], r"model\.depth=0: MLPClassifier\(depth=0\): depth and hidden "
+                            r"must be >= 1, got depth=0", True),
     "bad_policy": (["callbacks.fault_tolerance.on_nonfinite_weights=ignore"],
                    r"on_nonfinite_weights must be one of \('warn', 'raise'\), got 'ignore'\. Fix", True),
     "out_of_range_trainer": (["trainer.devices=0"], r"Trainer\(devices=0\)` value is not a valid input", True),
@@ -46,7 +50,8 @@ CASES = {
                                              r"offload_optimizer=True needs an optimizer that runs on CPU.*got AdamW"
                                              r".*optimizer=cpu_adam", True),
     "incompatible_auto_micro_batch_without_budget": (["accumulation=ramp", "accumulation.micro_batch=auto"],
-                                                     r"accumulation\.micro_batch='auto' needs .*memory_budget_mb",
+                                                     r"accumulation\.micro_batch='auto': AccumulationScheduler\(micro_batch='auto'\): "
+                                                     r"micro_batch='auto' needs .*memory_budget_mb",
                                                      True),
     # issue 17: every command line a new user tried that ended in a traceback, a hang or silence
     "data_without_its_model": (["data=charlm"], r"does not fit model=mlp.*Fix: .*experiment=charlm_cpu", False),

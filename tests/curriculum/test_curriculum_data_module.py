@@ -118,7 +118,7 @@ def test_construction_errors_teach():
         CurriculumDataModule(train_dataset=_data(), batch_size=4, pace_duration=3, pace_unit="hours")
     with pytest.raises(ValueError, match="seq_len_start=8 needs seq_len_warmup > 0"):
         CurriculumDataModule(train_dataset=_data(), batch_size=4, pacing="none", seq_len_start=8)
-    with pytest.raises(ValueError, match="need data.num_workers > 0"):
+    with pytest.raises(ValueError, match="need num_workers > 0"):
         CurriculumDataModule(train_dataset=_data(), batch_size=4, pacing="none", persistent_workers=True)
 
 

@@ -142,9 +142,10 @@ def test_missing_monitor_is_an_error_naming_the_setting(tmp_path):
 
 
 def test_construction_errors_teach():
-    with pytest.raises(ValueError, match=r"early_stopping.mode must be one of \('min', 'max'\), got 'up'"):
+    with pytest.raises(ValueError, match=r"CurriculumEarlyStopping\(mode='up'\): mode must be one of "
+                                         r"\('min', 'max'\), got 'up'"):
         CurriculumEarlyStopping("m", mode="up")
     with pytest.raises(ValueError, match=r"patience_unit must be one of .*got 'epochs'"):
         CurriculumEarlyStopping("m", patience_unit="epochs")
-    with pytest.raises(ValueError, match="early_stopping.patience must be >= 0"):
+    with pytest.raises(ValueError, match=r"CurriculumEarlyStopping\(patience=-1\): patience must be >= 0"):
         CurriculumEarlyStopping("m", patience=-1)

@@ -74,7 +74,7 @@ def test_unigram_baseline_is_the_entropy_for_matching_distributions():
 
 
 def test_bad_arguments_name_the_setting(tmp_path):
-    with pytest.raises(ValueError, match="data.max_bytes must be >= 10000"):
+    with pytest.raises(ValueError, match="max_bytes must be >= 10000, got 10"):
         build_corpus(tmp_path, max_bytes=10)
-    with pytest.raises(ValueError, match="data.val_every must be >= 2"):
+    with pytest.raises(ValueError, match="val_every must be >= 2"):
         build_corpus(tmp_path, val_every=1)

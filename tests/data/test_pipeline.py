@@ -67,19 +67,19 @@ def test_loader_options_resolve_and_refuse_bad_values():
     assert resolve_num_workers("auto", preloaded=True) == 0
     assert 0 <= resolve_num_workers("auto", preloaded=False) <= 8
     assert resolve_pin_memory("auto", None) is False  # no CUDA trainer: pinning would only cost time
-    with pytest.raises(ValueError, match=r"data.num_workers must be 'auto' or an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"num_workers must be 'auto' or an int >= 0, got -1"):
         resolve_num_workers(-1, preloaded=False)
-    with pytest.raises(ValueError, match="data.pin_memory must be 'auto', true or false, got 'yes'"):
+    with pytest.raises(ValueError, match="pin_memory must be 'auto', True or False, got 'yes'"):
         resolve_pin_memory("yes")
-    with pytest.raises(ValueError, match=r"need data.num_workers > 0.*set num_workers"):
+    with pytest.raises(ValueError, match=r"need num_workers > 0.*set num_workers"):
         check_worker_options(0, True, None)
-    with pytest.raises(ValueError, match="data.prefetch_factor must be >= 1 or null, got 0"):
+    with pytest.raises(ValueError, match="prefetch_factor must be >= 1 or None, got 0"):
         check_worker_options(2, False, 0)
     check_worker_options("auto", True, 2)  # auto may resolve to 0 workers: the options are then dropped
     assert loader_kwargs(0, False, True, 2) == {"num_workers": 0, "pin_memory": False, "persistent_workers": False}
-    with pytest.raises(ValueError, match="need data.num_workers > 0"):
+    with pytest.raises(ValueError, match="need num_workers > 0"):
         DigitsDataModule(prefetch_factor=2)
-    with pytest.raises(ValueError, match="need data.num_workers > 0"):
+    with pytest.raises(ValueError, match="need num_workers > 0"):
         CharLMDataModule(cache_dir="unused", persistent_workers=True)
 
 

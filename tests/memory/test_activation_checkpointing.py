@@ -64,7 +64,8 @@ def test_dotted_import_path(gpt_and_batch):
 
 def test_errors_name_the_setting(gpt_and_batch):
     model, _ = gpt_and_batch
-    with pytest.raises(ValueError, match=r"checkpointing.modules must be a non-empty list.*got \[\]"):
+    with pytest.raises(ValueError, match=r"ActivationCheckpointing\(modules=\[\]\): modules must be a non-empty "
+                                         r"list.*got \[\]"):
         ActivationCheckpointing(modules=[])
     with pytest.raises(ValueError, match=r"no submodule of type 'Blok' in GPT\. Types present: .*Block"):
         checkpoint_modules(model, ["Blok"])
@@ -72,7 +73,7 @@ def test_errors_name_the_setting(gpt_and_batch):
         checkpoint_modules(model, ["lit_speed.models.gpt.Nope"])
     with pytest.raises(ValueError, match="matched no submodule"):
         checkpoint_modules(model.blocks[0], [Block])  # the root itself is never wrapped
-    with pytest.raises(ValueError, match="checkpointing.modules is empty"):
+    with pytest.raises(ValueError, match=r"checkpoint_modules\(types=\[\]\): types is empty"):
         checkpoint_modules(model, [])
 
 

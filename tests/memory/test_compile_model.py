@@ -32,9 +32,9 @@ def test_repeated_block_types_skips_leaf_layers():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match=r"compile.mode must be one of .*got 'fast'"):
+    with pytest.raises(ValueError, match=r"CompileModel\(mode='fast'\): mode must be one of .*got 'fast'"):
         CompileModel(mode="fast")
-    with pytest.raises(ValueError, match="has no repeated block type; name one with compile.modules"):
+    with pytest.raises(ValueError, match="has no repeated block type; name one with modules="):
         compile_modules(torch.nn.Linear(2, 2), regional=True)
 
 

@@ -51,11 +51,12 @@ def test_minimises_a_quadratic():
 
 def test_errors():
     p = [torch.zeros(1, requires_grad=True)]
-    with pytest.raises(ValueError, match="optimizer.lr must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"Lion\(lr=-1\): lr must be >= 0, got -1"):
         Lion(p, lr=-1)
-    with pytest.raises(ValueError, match=r"optimizer.betas must be two values in \[0, 1\), got \(0.9, 1.0\)"):
+    with pytest.raises(ValueError, match=r"Lion\(betas=\(0.9, 1.0\)\): betas must be two values in \[0, 1\), "
+                                         r"got \(0.9, 1.0\)"):
         Lion(p, betas=(0.9, 1.0))
-    with pytest.raises(ValueError, match="optimizer.weight_decay must be >= 0"):
+    with pytest.raises(ValueError, match=r"Lion\(weight_decay=-0.1\): weight_decay must be >= 0"):
         Lion(p, weight_decay=-0.1)
 
 

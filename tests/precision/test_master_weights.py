@@ -196,6 +196,6 @@ def test_auto_in_a_trainer_shows_the_timed_modes_when_the_cpu_has_bf16() -> None
 def test_bf16_master_is_refused_under_multi_process_strategies_with_the_fix() -> None:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-    with pytest.raises(ValueError, match="bf16-master' runs on one process.*Fix: precision=bf16-mixed"):
+    with pytest.raises(ValueError, match="bf16-master' runs on one process.*Fix: mode='bf16-mixed'"):
         modes.check_strategy("bf16-master", DDPStrategy())
     modes.check_strategy("bf16-master", SingleDeviceStrategy("cpu"))  # one device: allowed

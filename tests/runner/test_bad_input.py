@@ -132,8 +132,8 @@ def test_validation_only_after_fit_is_said_before_the_run_and_the_run_goes_on(ma
 
 
 def test_gpt_with_no_layers_is_refused(make_cfg):
-    with pytest.raises(ConfigError, match=r"model\.n_layer, n_head, n_embd and block_size must be >= 1, got "
-                                          r"n_layer=0.*Fix: model\.n_layer="):
+    with pytest.raises(ConfigError, match=r"model\.n_layer=0: GPTModule\(n_layer=0\): n_layer, n_head, n_embd and "
+                                          r"block_size must be >= 1, got n_layer=0.*Fix: n_layer="):
         train(make_cfg(["experiment=charlm_cpu", "model.n_layer=0", *SHORT]))
 
 

@@ -81,7 +81,7 @@ def test_unknown_option_exits_with_one_clear_message(tmp_path):
 def test_component_value_error_is_reported_without_hydra_wrapper(tmp_path):
     result = run_train_script(["data.batch_size=0", f"hydra.run.dir={tmp_path}"], timeout=120)
     assert result.returncode != 0
-    assert "data.batch_size must be >= 1, got 0" in result.stderr
+    assert "data.batch_size=0: DigitsDataModule(batch_size=0): batch_size must be >= 1, got 0" in result.stderr
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -86,7 +86,8 @@ def test_unknown_zero_and_offload_keys_are_refused() -> None:
 
 
 def test_stage_and_stage3_incompatibilities() -> None:
-    with pytest.raises(ValueError, match=r"stage must be one of \(1, 2, 3\), got 0; for no sharding use strategy=ddp"):
+    with pytest.raises(ValueError, match=r"ZeroStrategy\(stage=0\): stage must be one of \(1, 2, 3\), got 0; "
+                                         r"for no sharding use Trainer\(strategy='ddp'\)"):
         ZeroStrategy(stage=0)
     with pytest.raises(ValueError, match=r"offload_parameters=True needs stage=3.*got stage=2.*zero3_offload"):
         ZeroStrategy(stage=2, offload_parameters=True)

@@ -1,0 +1,109 @@
+"""What a component may report to the runner: the declared contract behind the start-up table and ``summary.json``.
+
+Every protocol here is optional and ``runtime_checkable``: :mod:`lit_speed.runner` asks ``isinstance(part,
+StartupReport)`` and the like, and an object that implements none of them is simply not reported. Components
+never import the runner, and the runner holds no code for a particular workload or component: a component that
+wants a row, a summary entry or an end-of-run number implements the matching protocol.
+
+Who reports what (checked by ``tests/test_run_contract.py``):
+
+- :class:`StartupReport` (``describe()``): the datamodules, GuardedPrecision, ZeroStrategy and the callbacks.
+- :class:`SummaryReport` (``final_summary()``): GuardedPrecision (and its ZeRO form), ZeroStrategy and the
+  callbacks; stored under ``summary.json["components"][<class name>]``.
+- :class:`AccumulationReport` (``current_factor``, ``factors``): AccumulationScheduler; the runner shows the
+  factor in the effective-batch row and :class:`~lit_speed.run_plan_check.RunPlanCheck` checks the largest one.
+- :class:`WorkloadReport` (``summary_extras()``): a workload's own reference numbers (CharLMDataModule's unigram
+  baseline), stored at the top level of ``summary.json`` and shown in the end-of-run table.
+- :class:`MonitoredModel` (``monitor``, ``monitor_mode``): the metric a model logs, the default of the
+  ``monitor=`` / ``monitor_mode=`` settings.
+
+Example::
+
+    class MyCallback(Callback):
+        def describe(self) -> dict[str, str]:
+            return {"my callback": "on, every 10 steps"}
+
+        def final_summary(self) -> dict[str, Any]:
+            return {"events": self.events}
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class StartupReport(Protocol):
+    """A component that adds rows to the start-up table.
+
+    ``describe()`` returns ``{row label: value}``; the runner writes ``str(value)`` (keep values short, one line).
+    A strategy whose rows depend on the model it will train may take it as an optional argument,
+    ``describe(model=None)``: the runner passes the model to the Trainer's strategy only, because the
+    strategy has not seen the model when the table is printed (before ``fit``).
+    """
+
+    def describe(self) -> Mapping[str, object]:
+        """Rows for the start-up table: ``{label: value}``."""
+
+
+@runtime_checkable
+class SummaryReport(Protocol):
+    """A component that reports end-of-run facts.
+
+    ``final_summary()`` returns a JSON-serialisable dict (numbers, strings, booleans, None, lists and dicts of
+    those); the runner stores it under ``summary.json["components"][type(component).__name__]``.
+    """
+
+    def final_summary(self) -> dict[str, Any]:
+        """End-of-run facts for ``summary.json``."""
+
+
+@runtime_checkable
+class AccumulationReport(Protocol):
+    """A callback that schedules gradient accumulation itself (instead of ``Trainer(accumulate_grad_batches=)``).
+
+    ``current_factor`` is the micro-batches per optimizer step now (per process); ``factors`` is the schedule
+    ``{position: factor}`` when it is given in micro-batches, else ``None`` (a schedule in samples or tokens).
+    """
+
+    @property
+    def current_factor(self) -> int:
+        """Micro-batches per optimizer step in the current window."""
+
+    @property
+    def factors(self) -> Mapping[int, int] | None:
+        """The scheduled factors by position, or ``None`` when the schedule is not in micro-batches."""
+
+
+class SummaryExtra(NamedTuple):
+    """One reference number a workload reports: its ``summary.json`` key, its end-of-run table label, its value."""
+
+    key: str
+    label: str
+    value: float
+
+
+@runtime_checkable
+class WorkloadReport(Protocol):
+    """A datamodule or model with reference numbers of its own (e.g. the loss a unigram model would reach).
+
+    ``summary_extras()`` returns :class:`SummaryExtra` entries; each ``key`` goes to the top level of
+    ``summary.json``, each ``label`` becomes a row of the end-of-run table (value with 4 decimals).
+    """
+
+    def summary_extras(self) -> list[SummaryExtra]:
+        """Reference numbers for ``summary.json`` and the end-of-run table."""
+
+
+@runtime_checkable
+class MonitoredModel(Protocol):
+    """A LightningModule that names the metric it logs for checkpointing, early stopping and sweeps."""
+
+    monitor: str
+    monitor_mode: str  # "max" or "min"
+
+
+def startup_rows_of(part: object, *args: Any) -> dict[str, str]:
+    """``part.describe(*args)`` with labels and values as strings; ``{}`` when ``part`` reports no rows."""
+    if not isinstance(part, StartupReport):
+        return {}
+    return {str(label): str(value) for label, value in part.describe(*args).items()}
