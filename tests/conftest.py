@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from omegaconf import DictConfig, open_dict
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 os.environ.setdefault("LIT_SPEED_ROOT", str(ROOT))
+# precision=auto caches its step timings on disk: tests (and their subprocesses) use a cache of their own
+os.environ["LIT_SPEED_CACHE_DIR"] = tempfile.mkdtemp(prefix="lit_speed_test_cache_")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from lit_speed.strategies.ds_accelerator import default_accelerator_name  # noqa: E402 - imports torch, not DeepSpeed
