@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 from hydra.core.global_hydra import GlobalHydra
@@ -19,9 +21,18 @@ def pytest_configure(config: pytest.Config) -> None:
     from lit_speed.strategies.ds_accelerator import default_accelerator_name  # imports torch, not DeepSpeed
 
     os.environ.setdefault("LIT_SPEED_ROOT", str(ROOT))
+    # precision=auto caches its step timings on disk: tests (and their subprocesses) use a cache of their own
+    os.environ["LIT_SPEED_CACHE_DIR"] = tempfile.mkdtemp(prefix="lit_speed_test_cache_")
     # DeepSpeed's accelerator follows this machine, so `pytest -m gpu` on a GPU runs DeepSpeed's CUDA
     # accelerator. ZeroStrategy re-checks the choice at setup.
     os.environ["DS_ACCELERATOR"] = default_accelerator_name()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the run's own timing cache."""
+    cache = os.environ.get("LIT_SPEED_CACHE_DIR", "")
+    if os.path.basename(cache).startswith("lit_speed_test_cache_"):
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture

@@ -110,14 +110,16 @@ class GuardedPrecision(Precision):
 
     # ---- setup -------------------------------------------------------------------------------------------
 
-    def _resolve(self, device_type: str, probe: bool, module: nn.Module | None = None) -> tuple[str, str]:
+    def _resolve(self, device_type: str, probe: bool, module: nn.Module | None = None,
+                 strategy: Any = None) -> tuple[str, str]:
         if self.requested_mode != "auto":
             return self.requested_mode, "requested"
         cpu_probe = probe and device_type == "cpu" and cpu_has_native_bf16()
         rule = modes.choose_auto_mode(device_type, _cuda_bf16(), cpu_has_native_bf16(), measure_slowdown(
             torch.bfloat16) if cpu_probe else None, self.max_cpu_slowdown)  # the matmul probe filters, then
-        timed = auto_mode_for(module, modes.TIMED_CANDIDATES) if cpu_probe and module is not None and \
-            rule[0] != "32-true" else None  # this model's own step is timed in each candidate mode
+        candidates = modes.allowed_modes(modes.TIMED_CANDIDATES, strategy)  # e.g. no bf16-master under DDP
+        timed = auto_mode_for(module, candidates) if cpu_probe and module is not None and \
+            rule[0] != "32-true" and len(candidates) > 1 else None  # this model's own step, in each mode
         return timed or rule
 
     def _setup(self, module: nn.Module) -> None:
@@ -129,7 +131,14 @@ class GuardedPrecision(Precision):
         else:
             self.device_type = next((p.device.type for p in module.parameters()), "cpu")
         if not self._resolved:
-            self.mode, self.reason = self._resolve(self.device_type, probe=True, module=module)
+            strategy = trainer.strategy if trainer is not None else None
+            if trainer is not None and trainer.world_size > 1:  # rank 0 decides (and times) for every process
+                decided = self._resolve(self.device_type, probe=trainer.global_rank == 0, module=module,
+                                        strategy=strategy) if trainer.global_rank == 0 else None
+                self.mode, self.reason = trainer.strategy.broadcast(decided, src=0)
+            else:
+                self.mode, self.reason = self._resolve(self.device_type, probe=True, module=module,
+                                                       strategy=strategy)
             bf16_ok = _cuda_bf16() if self.device_type == "cuda" else cpu_has_native_bf16()
             self._chain = list(self._user_chain) if self._user_chain is not None else \
                 modes.default_chain(self.mode, bf16_ok)
@@ -354,9 +363,12 @@ class GuardedPrecision(Precision):
         rank_zero_info(f"GuardedPrecision: resumed in {self.mode} ({self.counters.skipped_steps} skipped steps)")
 
     def describe(self) -> dict[str, str]:
-        """Rows for the start-up table (before setup, ``auto`` is shown as resolved for the likely device)."""
+        """Rows for the start-up table (before setup, ``auto`` shows the probe's guess and what setup will time)."""
         if self.requested_mode == "auto" and not self._resolved:
             self.mode, self.reason = self._resolve("cuda" if torch.cuda.is_available() else "cpu", probe=True)
+            if self.mode != "32-true" and "cuda" not in self.reason.lower():
+                self.reason += f"; setup times {', '.join(modes.TIMED_CANDIDATES)} on this model's step and keeps " \
+                               f"the fastest"
         scaler = ", ".join(f"{k}={v:g}" for k, v in self.scaler_config.items())
         guard = self.on_nonfinite + (f" after {self.fallback_after} bad steps -> "
                                      f"{' -> '.join(self._chain or modes.default_chain(self.mode)) or 'none'}"

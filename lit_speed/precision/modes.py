@@ -109,6 +109,20 @@ def check_chain(mode: str, chain: Sequence[str] | None, on_nonfinite: str) -> li
     return chain
 
 
+def allowed_modes(candidates: Sequence[str], strategy: Any) -> list[str]:
+    """The ``candidates`` :func:`check_strategy` accepts under ``strategy`` (all of them when it is ``None``)."""
+    if strategy is None:
+        return list(candidates)
+    allowed = []
+    for mode in candidates:
+        try:
+            check_strategy(mode, strategy)
+        except ValueError:
+            continue
+        allowed.append(mode)
+    return allowed
+
+
 def check_strategy(mode: str, strategy: Any) -> None:
     """Refuse strategies that scale the loss themselves or need a sharded scaler (never a double scaler).
 

@@ -1,19 +1,31 @@
 """``precision=auto`` decided by timing the user's own training step in each candidate mode.
 
 A matmul probe says how fast bf16 GEMMs are; it does not say how fast *this* model's step is (small
-models are dominated by per-op overhead, autocast adds casts). :func:`time_modes` runs a few
-forward+backward+optimizer steps of a copy of the model on one real micro-batch in each mode and
-returns the median step seconds (``None`` for a mode whose loss is not finite); :func:`choose_by_timing`
-picks the fastest, and keeps ``32-true`` unless a low-precision mode is clearly faster. Results are
-cached per model class, parameter count, batch shape, device and thread count.
+models are dominated by per-op overhead, autocast adds casts). :func:`time_modes` runs forward+backward+
+optimizer steps of copies of the model on one real micro-batch in each mode, **interleaved** (one step of
+each mode per round, the order rotating) so that a busy machine slows every mode alike, and returns the
+median step seconds (``None`` for a mode whose loss is not finite); :func:`choose_by_timing` picks the
+fastest, and keeps ``32-true`` unless a low-precision mode is clearly faster.
+
+The timings are cached per model class, parameter count and dtype, batch shapes, device, CPU/GPU model,
+thread count and torch version: in the process, and on disk (``$LIT_SPEED_CACHE_DIR``, else
+``$XDG_CACHE_HOME/lit_speed`` or ``~/.cache/lit_speed``, file ``precision_auto.json``), so a repeated run on
+the same machine decides in no time and decides the same way. ``LIT_SPEED_AUTO_CACHE=0`` times afresh
+(and does not write); deleting the file does too.
 """
 from __future__ import annotations
 
 import copy
+import datetime as dt
+import json
 import math
+import os
+import platform
+import statistics
 import time
 import warnings
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -23,7 +35,9 @@ from lit_speed.precision.master_weights import MasterWeights
 
 #: A low-precision mode must beat 32-true by this fraction to be chosen (timing noise on a shared machine).
 MIN_GAIN = 0.05
-_CACHE: dict[tuple, dict[str, float | None]] = {}
+#: Bumped when the timing procedure changes, so older cached timings are not reused.
+PROCEDURE = 2
+_CACHE: dict[str, dict[str, float | None]] = {}
 
 
 def _loss_of(module: nn.Module, batch: Any) -> torch.Tensor:
@@ -32,66 +46,105 @@ def _loss_of(module: nn.Module, batch: Any) -> torch.Tensor:
     return out["loss"] if isinstance(out, dict) else out
 
 
-def time_modes(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 3, budget_s: float = 3.0,
-               loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _loss_of) -> dict[str, float | None]:
+def time_modes(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 8, budget_s: float = 1.5,
+               loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _loss_of,
+               use_disk_cache: bool | None = None) -> dict[str, float | None]:
     """Median seconds of a forward+backward+AdamW step of a copy of ``module`` on ``batch`` in each mode.
 
     ``module`` itself is not touched (each mode trains a deep copy; torch's RNG is restored afterwards). The
     optimizer is a fused AdamW over float32 parameters in every mode, as in ``bf16-master`` and the mixed
-    modes, so the comparison is of the forward and backward passes. Stops timing when ``budget_s`` is spent.
+    modes, so the comparison is of the forward and backward passes. After one warm-up step per mode, rounds
+    of one timed step per mode run until ``steps`` rounds are done or ``budget_s`` is spent (at least two
+    rounds). ``use_disk_cache`` (default: unless ``LIT_SPEED_AUTO_CACHE=0``) reads and writes the on-disk cache.
     """
-    key = (type(module).__name__, sum(p.numel() for p in module.parameters()), _shapes(batch),
-           str(next(module.parameters()).device), torch.get_num_threads(), tuple(modes))
+    key = cache_key(module, batch, modes)
     if key in _CACHE:
         return dict(_CACHE[key])
-    results: dict[str, float | None] = {}
-    deadline = time.perf_counter() + budget_s
-    trainer = getattr(module, "_trainer", None)
+    disk = cache_file() if (use_disk_cache if use_disk_cache is not None else _disk_cache_enabled()) else None
+    cached = _read_disk(disk).get(key) if disk is not None else None
+    if cached is not None:
+        _CACHE[key] = dict(cached["times"])
+        return dict(cached["times"])
     with torch.random.fork_rng(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log() outside a loop warns
-        if trainer is not None:
-            module._trainer = None  # type: ignore[attr-defined]  # deepcopy the model, not the Trainer
-        try:
-            base = copy.deepcopy(module).train()
-        finally:
-            if trainer is not None:
-                module._trainer = trainer  # type: ignore[attr-defined]
-        for mode in modes:
-            if time.perf_counter() > deadline:
-                break
-            try:
-                results[mode] = _time_one(base, batch, mode, steps)
-            except RuntimeError:  # e.g. float inputs into a bf16 module: this mode cannot run this step
-                results[mode] = None
+        results = _time_interleaved(_detached_copy(module), batch, modes, steps, budget_s, loss_fn)
     _CACHE[key] = dict(results)
+    if disk is not None:
+        _write_disk(disk, key, results)
     return results
 
 
-def _time_one(base: nn.Module, batch: Any, mode: str, steps: int) -> float | None:
-    model = copy.deepcopy(base)
-    device_type = next(model.parameters()).device.type
-    masters = MasterWeights(model) if mode == "bf16-master" else None
-    params = list(masters.parameters()) if masters is not None else list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    context = (lambda: torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False)) \
-        if mode == "bf16-mixed" else nullcontext
-    times = []
-    for i in range(steps + 1):  # the first step warms up (allocations, kernel selection)
+def cached_when(module: nn.Module, batch: Any, modes: Sequence[str]) -> str | None:
+    """The date the on-disk cache holds timings for this model/batch/machine from, or ``None``."""
+    disk = cache_file() if _disk_cache_enabled() else None
+    entry = _read_disk(disk).get(cache_key(module, batch, modes)) if disk is not None else None
+    return None if entry is None else str(entry.get("when"))
+
+
+def _detached_copy(module: nn.Module) -> nn.Module:
+    """A deep copy in train mode, without the attached Trainer (Lightning keeps it on the module)."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None:
+        module._trainer = None  # type: ignore[attr-defined]  # deepcopy the model, not the Trainer
+    try:
+        return copy.deepcopy(module).train()
+    finally:
+        if trainer is not None:
+            module._trainer = trainer  # type: ignore[attr-defined]
+
+
+class _ModeRun:
+    """One candidate mode: its own copy of the model, optimizer and (``bf16-master``) float32 masters."""
+
+    def __init__(self, base: nn.Module, mode: str, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> None:
+        self.model = copy.deepcopy(base)
+        self.device_type = next(self.model.parameters()).device.type
+        self.masters = MasterWeights(self.model) if mode == "bf16-master" else None
+        params = list(self.masters.parameters()) if self.masters is not None else list(self.model.parameters())
+        self.opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        self.context = (lambda: torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False)) \
+            if mode == "bf16-mixed" else nullcontext
+        self.loss_fn = loss_fn
+        self.times: list[float] = []
+        self.finite = True
+
+    def step(self, batch: Any) -> float:
         start = time.perf_counter()
-        with context():
-            loss = _loss_of(model, batch)
+        with self.context():
+            loss = self.loss_fn(self.model, batch)
         if not torch.isfinite(loss.detach()).all():
-            return None
+            self.finite = False
         loss.float().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if masters is not None:
-            masters.copy_to_model()
-        if device_type == "cuda":
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            self.masters.copy_to_model()
+        if self.device_type == "cuda":
             torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        return time.perf_counter() - start
+
+
+def _time_interleaved(base: nn.Module, batch: Any, modes: Sequence[str], steps: int, budget_s: float,
+                      loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> dict[str, float | None]:
+    deadline = time.perf_counter() + budget_s
+    runs: dict[str, _ModeRun | None] = {}
+    for mode in modes:
+        try:
+            run = _ModeRun(base, mode, loss_fn)
+            run.step(batch)  # warm-up: allocations, kernel selection
+            runs[mode] = run if run.finite else None
+        except RuntimeError:  # e.g. float inputs into a bf16 module: this mode cannot run this step
+            runs[mode] = None
+    live = [m for m in modes if runs[m] is not None]
+    for r in range(max(steps, 2)):
+        if r >= 2 and time.perf_counter() > deadline:
+            break
+        for mode in live[r % len(live):] + live[:r % len(live)] if live else []:
+            run = runs[mode]
+            assert run is not None
+            run.times.append(run.step(batch))
+    return {m: (statistics.median(runs[m].times) if runs[m] is not None and runs[m].finite else None)  # type: ignore[union-attr]
+            for m in modes}
 
 
 def choose_by_timing(times: dict[str, float | None], min_gain: float = MIN_GAIN) -> tuple[str, str]:
@@ -117,14 +170,80 @@ def auto_mode_for(module: nn.Module, candidates: Sequence[str]) -> tuple[str, st
         batch = next(iter(datamodule.train_dataloader()))
     if hasattr(datamodule, "on_after_batch_transfer"):
         batch = datamodule.on_after_batch_transfer(batch, 0)
-    return choose_by_timing(time_modes(module, batch, candidates))
+    when = cached_when(module, batch, candidates)
+    mode, reason = choose_by_timing(time_modes(module, batch, candidates))
+    if when is not None:
+        reason = reason.replace("on one micro-batch", f"on one micro-batch (cached {when} in {cache_file()})", 1)
+    return mode, reason
 
 
-def _shapes(batch: Any) -> tuple:
+# ---- the cache key and the on-disk cache ------------------------------------------------------------------
+
+
+def cache_key(module: nn.Module, batch: Any, modes: Sequence[str]) -> str:
+    """What the timings depend on: the model, the batch, the modes, and the machine and software they ran on."""
+    params = list(module.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    return json.dumps({
+        "procedure": PROCEDURE, "model": f"{type(module).__module__}.{type(module).__qualname__}",
+        "params": sum(p.numel() for p in params), "dtypes": sorted({str(p.dtype) for p in params}),
+        "batch": _shapes(batch), "modes": list(modes), "device": str(device), "hardware": _hardware(device),
+        "threads": torch.get_num_threads(), "torch": torch.__version__}, sort_keys=True, default=str)
+
+
+def _hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model, flags = "", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = " ".join(f for f in line.split(":", 1)[1].split() if "bf16" in f or f.startswith(("avx", "amx")))
+    except OSError:  # not Linux: the processor string is what there is
+        pass
+    return f"{model or platform.processor()} [{flags}]"
+
+
+def _disk_cache_enabled() -> bool:
+    return os.environ.get("LIT_SPEED_AUTO_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_file() -> Path:
+    """Where ``precision=auto`` keeps its timings on disk."""
+    root = os.environ.get("LIT_SPEED_CACHE_DIR") or \
+        os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lit_speed")
+    return Path(root) / "precision_auto.json"
+
+
+def _read_disk(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # missing or damaged: time afresh, and the next write replaces it
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_disk(path: Path, key: str, times: dict[str, float | None]) -> None:
+    """Add one entry; atomic (write a sibling, then rename), and never fatal: a cache is only a shortcut."""
+    try:
+        data = _read_disk(path)
+        data[key] = {"times": times, "when": dt.date.today().isoformat()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as err:
+        warnings.warn(f"precision=auto could not write its timing cache {path} ({err}); the next run times again. "
+                      f"Fix: set LIT_SPEED_CACHE_DIR to a writable folder, or LIT_SPEED_AUTO_CACHE=0.", stacklevel=2)
+
+
+def _shapes(batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
-        return (tuple(batch.shape), str(batch.dtype))
+        return [list(batch.shape), str(batch.dtype)]
     if isinstance(batch, (list, tuple)):
-        return tuple(_shapes(b) for b in batch)
+        return [_shapes(b) for b in batch]
     if isinstance(batch, dict):
-        return tuple((k, _shapes(v)) for k, v in sorted(batch.items()))
-    return (type(batch).__name__,)
+        return [[str(k), _shapes(v)] for k, v in sorted(batch.items(), key=lambda kv: str(kv[0]))]
+    return type(batch).__name__
