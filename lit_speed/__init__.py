@@ -28,6 +28,7 @@ _EXPORTS = {
     "build_corpus": "lit_speed.data.charlm",
     "MLPClassifier": "lit_speed.models.mlp",
     "GPTModule": "lit_speed.models.gpt",
+    "Lion": "lit_speed.models.lion",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from omegaconf import DictConfig, OmegaConf
 
 from lit_speed.config_check import ConfigError
@@ -18,6 +19,10 @@ from lit_speed.config_check import ConfigError
 # which model each DataModule feeds; a curriculum wraps another DataModule (conf/data/*_curriculum.yaml)
 DATA_MODEL = {"DigitsDataModule": ("mlp", "MLPClassifier", "data=digits model=mlp"),
               "CharLMDataModule": ("gpt", "GPTModule", "experiment=charlm_cpu (data=charlm model=gpt)")}
+
+
+# callbacks options renamed, old -> new: the old name still composes the same callback under its old key for one release
+RENAMED_CALLBACKS = {"checkpointing": "activation_checkpointing", "early_stopping": "curriculum_early_stopping"}
 
 
 def _short(target: Any) -> str:
@@ -108,8 +113,22 @@ def check_trainer(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.{key}=0: the run would make no optimizer step. Fix: {fix}")
 
 
+def warn_renamed_options(cfg: DictConfig) -> None:
+    """Warn once (rank zero) for each callbacks option chosen by a name that was renamed, naming the new option.
+
+    A callbacks option composes a key named after itself, so the old key under ``callbacks`` means the old name was
+    chosen, wherever that happened (command line, list, experiment file). Hydra has no per-option deprecation hook.
+    """
+    callbacks = cfg.get("callbacks")
+    for old, new in RENAMED_CALLBACKS.items():
+        if isinstance(callbacks, DictConfig) and old in callbacks:
+            rank_zero_deprecation(f"callbacks option {old!r} is deprecated and will be removed in the next release: it "
+                                  f"was renamed {new!r}. Fix: callbacks=[...,{new}] and callbacks.{new}.<key>=<value>")
+
+
 def check_config(cfg: DictConfig) -> None:
-    """Every config-only check; raises :class:`ConfigError` on the first failure."""
+    """Every config-only check; raises :class:`ConfigError` on the first failure, warns on renamed options."""
+    warn_renamed_options(cfg)
     check_data_model(cfg)
     seed = cfg.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 # bytes per parameter element for each Lightning precision literal
 PARAM_BYTES = {"32-true": 4, "bf16-mixed": 4, "16-mixed": 4, "bf16-true": 2, "16-true": 2}
 # state tensors per parameter kept by each optimizer option in conf/optimizer
-OPTIMIZER_STATES = {"adamw": 2, "adamw_fused": 2, "cpu_adam": 2, "sgd": 1, "lion": 1}
+OPTIMIZER_STATES = {"adamw": 2, "adamw_fused": 2, "adamw_base": 2, "cpu_adam": 2, "sgd": 1, "lion": 1}
 # strategy option (conf/strategy) -> (ZeRO stage, optimizer offloaded, parameters offloaded)
 STRATEGIES = {"auto": (0, False, False), "ddp": (0, False, False), "zero1": (1, False, False),
               "zero2": (2, False, False), "zero2_offload": (2, True, False), "zero3": (3, False, False),

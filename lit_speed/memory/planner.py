@@ -198,7 +198,8 @@ def _overrides(precision: str, checkpointing: bool, micro_batch: int, strategy: 
                modules: Sequence[str], base: Sequence[str], batch_key: str) -> tuple[str, ...]:
     out = [*base, f"precision={precision}", f"{batch_key}={micro_batch}"]
     if checkpointing:
-        out += ["callbacks=[default,checkpointing]", f"callbacks.checkpointing.modules=[{','.join(modules)}]"]
+        out += ["callbacks=[default,activation_checkpointing]",
+                f"callbacks.activation_checkpointing.modules=[{','.join(modules)}]"]
     if strategy != "auto":
         out.append(f"strategy={strategy}")
     if world_size > 1:

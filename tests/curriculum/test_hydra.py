@@ -1,12 +1,12 @@
-"""The Hydra options compose into a run: data=digits_curriculum + callbacks early_stopping, through train()."""
+"""The Hydra options compose into a run: data=digits_curriculum + callbacks=[curriculum_early_stopping], through train()."""
 import json
 
 from lit_speed.runner import train
 
 
 def test_digits_curriculum_with_early_stopping_runs_and_reports_its_stop(make_cfg, tmp_path):
-    cfg = make_cfg(["data=digits_curriculum", "callbacks=[early_stopping]", "callbacks.early_stopping.stop_at=0.5",
-                    "callbacks.early_stopping.patience=null", "data.pace_duration=20", "trainer.max_epochs=3",
+    cfg = make_cfg(["data=digits_curriculum", "callbacks=[curriculum_early_stopping]", "callbacks.curriculum_early_stopping.stop_at=0.5",
+                    "callbacks.curriculum_early_stopping.patience=null", "data.pace_duration=20", "trainer.max_epochs=3",
                     "+trainer.val_check_interval=5", "logger=none", "validate=false"])
     summary = train(cfg)
     stop = summary["components"]["CurriculumEarlyStopping"]

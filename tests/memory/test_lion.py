@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_speed.memory.lion import Lion
+from lit_speed.models.lion import Lion
 
 
 def test_two_steps_match_the_formula():
@@ -68,3 +68,12 @@ def test_lion_yaml_builds_the_optimizer():
     cfg = preflight(["optimizer=lion", "optimizer.lr=0.0003"])
     optimizer = hydra.utils.instantiate(cfg.optimizer)([torch.zeros(2, requires_grad=True)])
     assert isinstance(optimizer, Lion) and optimizer.defaults["lr"] == 0.0003
+
+
+def test_old_import_path_still_works_and_names_the_new_one():
+    with pytest.warns(DeprecationWarning, match=r"lit_speed\.memory\.lion\.Lion moved to lit_speed\.models\.lion\.Lion"):
+        from lit_speed.memory.lion import Lion as OldLion
+    assert OldLion is Lion
+    import lit_speed
+
+    assert lit_speed.Lion is Lion

@@ -108,7 +108,7 @@ def _run_train(command: str, tmp_path) -> subprocess.CompletedProcess:
 def test_a_rows_overrides_run_as_printed(tmp_path):
     result = _charlm_plan(["32-true"], [4])
     row = next(r for r in result.rows if r.checkpointing)
-    assert "'callbacks=[default,checkpointing]'" in row.command
+    assert "'callbacks=[default,activation_checkpointing]'" in row.command
     done = _run_train(row.command, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
