@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lit_speed.compat import torch as torch_compat
 from lit_speed.memory.activation_checkpointing import resolve_module_types
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -36,14 +37,9 @@ def repeated_block_types(root: nn.Module) -> list[type]:
     return [cls for cls, n in counts.items() if n > 1]
 
 
-def _uncompile(module: nn.Module) -> None:
-    # torch 2.13: nn.Module.compile() stores the compiled call in the private `_compiled_call_impl`;
-    # setting it back to None restores eager calls. tests/test_compile_model.py checks this attribute.
-    module._compiled_call_impl = None
-
-
 def is_compiled(module: nn.Module) -> bool:
-    return getattr(module, "_compiled_call_impl", None) is not None
+    """Whether ``module`` was compiled in place (``nn.Module.compile()``)."""
+    return torch_compat.is_compiled(module)
 
 
 def compile_modules(root: nn.Module, regional: bool = True, modules: Sequence[str | type] | None = None,
@@ -75,7 +71,7 @@ def uncompile_modules(root: nn.Module) -> int:
     """Return every in-place-compiled module of ``root`` to eager mode; returns how many there were."""
     compiled = [m for m in root.modules() if is_compiled(m)]
     for module in compiled:
-        _uncompile(module)
+        torch_compat.uncompile(module)
     return len(compiled)
 
 

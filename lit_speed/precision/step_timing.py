@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from lit_speed.compat import lightning as pl_compat
 from lit_speed.precision.master_weights import MasterWeights
 
 #: A low-precision mode must beat 32-true by this fraction to be chosen (timing noise on a shared machine).
@@ -46,16 +47,10 @@ def time_modes(module: nn.Module, batch: Any, modes: Sequence[str], steps: int =
         return dict(_CACHE[key])
     results: dict[str, float | None] = {}
     deadline = time.perf_counter() + budget_s
-    trainer = getattr(module, "_trainer", None)
     with torch.random.fork_rng(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log() outside a loop warns
-        if trainer is not None:
-            module._trainer = None  # type: ignore[attr-defined]  # deepcopy the model, not the Trainer
-        try:
+        with pl_compat.detached_from_trainer(module):  # deepcopy the model, not the Trainer
             base = copy.deepcopy(module).train()
-        finally:
-            if trainer is not None:
-                module._trainer = trainer  # type: ignore[attr-defined]
         for mode in modes:
             if time.perf_counter() > deadline:
                 break
@@ -109,7 +104,7 @@ def choose_by_timing(times: dict[str, float | None], min_gain: float = MIN_GAIN)
 
 def auto_mode_for(module: nn.Module, candidates: Sequence[str]) -> tuple[str, str] | None:
     """Time ``candidates`` on one batch of the attached Trainer's training data; ``None`` if there is none."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = pl_compat.attached_trainer(module)
     datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
     if datamodule is None or not hasattr(datamodule, "train_dataloader"):
         return None
