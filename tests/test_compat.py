@@ -77,7 +77,7 @@ def _tiny_loader(n: int = 16, batch_size: int = 8) -> DataLoader:
     return DataLoader(data, batch_size=batch_size)
 
 
-# ------------------------------------------------------------------------------------------------- versions
+# ---------------------------------------------------------------------------------------------- versions
 def test_lightning_version_is_the_one_the_helpers_were_written_for() -> None:
     major_minor = ".".join(lightning.__version__.split(".")[:2])
     assert major_minor == ".".join(compat.LIGHTNING_VERSION.split(".")[:2]), (
@@ -96,7 +96,7 @@ def test_deepspeed_and_torch_versions_are_the_ones_the_helpers_were_written_for(
         f"{compat.TORCH_VERSION}: re-check it, then update TORCH_VERSION")
 
 
-# ------------------------------------------------------------------------------------------------- compat.lightning
+# ---------------------------------------------------------------------------------------------- compat.lightning
 def test_epoch_loop_routes_every_accumulation_decision_through_should_accumulate():
     # install_accumulation_controller(), is_last_batch_of_epoch(): _TrainingEpochLoop._should_accumulate,
     # _num_ready_batches_reached
@@ -206,7 +206,7 @@ def test_lightning_still_checks_cuda_in_setup_environment() -> None:
     assert DeepSpeedStrategy.__mro__[1] is DDPStrategy
 
 
-# ------------------------------------------------------------------------------------------------- compat.lightning_data
+# ---------------------------------------------------------------------------------------------- compat.lightning_data
 def test_train_iterator_helpers_follow_lightnings_fit_loop(tmp_path):
     # FaultTolerance rebuilds the training iterator when DeepSpeed restores the RNG states after it was made;
     # this fails loudly if Lightning moves the fit loop's iterator (train_iterator_exists())
@@ -272,7 +272,7 @@ def test_auto_micro_batch_size_replaces_lightnings_private_hook() -> None:
     assert "_auto_select_batch_size" in vars(ds_compat.BatchSizeFromLoader)
 
 
-# ------------------------------------------------------------------------------------------------- compat.deepspeed
+# ---------------------------------------------------------------------------------------------- compat.deepspeed
 def test_init_deepspeed_distributed_helper_target_exists() -> None:
     source = inspect.getsource(DeepSpeedStrategy._init_deepspeed_distributed)
     assert "deepspeed.init_distributed" in source, "init_deepspeed_distributed(): Lightning changed the method"
@@ -316,7 +316,7 @@ def test_intercept_amends_device_rank_and_restores_deepspeed_initialize() -> Non
     assert kept["args"].device_rank == 0  # a real device index (CUDA) is left alone
 
 
-# ------------------------------------------------------------------------------------------------- compat.torch
+# ---------------------------------------------------------------------------------------------- compat.torch
 def test_foreach_ops_exist_and_act_in_place() -> None:
     a, b = torch.ones(3), torch.full((2,), 2.0)
     torch_compat.foreach_mul_([a, b], 3.0)

@@ -107,7 +107,10 @@ class AccumulationScheduler(Callback):
         return self._factor * self._pieces
 
     def optimizer_steps_now(self) -> bool:
-        """Whether the optimizer steps after the micro-batch now running (:class:`~lit_speed.interfaces.AccumulationDecider`)."""
+        """Whether the optimizer steps after the micro-batch now running.
+
+        This makes the callback a :class:`~lit_speed.interfaces.AccumulationDecider`: ``ZeroStrategy`` reads it.
+        """
         return self.step_now
 
     def describe(self) -> dict[str, str]:

@@ -124,7 +124,8 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def write_atomically(data: bytes | memoryview, path: str | Path, keep_previous: bool = True, verify: bool = True) -> None:
+def write_atomically(data: bytes | memoryview, path: str | Path, keep_previous: bool = True,
+                     verify: bool = True) -> None:
     """Write ``data`` to ``path`` so that a reader sees either the old complete file or the new one.
 
     The bytes go to a temporary file in the same folder, are flushed to disk, optionally verified, and then
@@ -184,7 +185,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.verify = verify
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path,
+                        storage_options: Optional[Any] = None) -> None:
         if storage_options is not None or not _is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return

@@ -15,9 +15,11 @@ Modules, by library (each function states the version it was written against):
   ``torch.compile``'s module wrapper, the oneDNN bf16 check).
 
 Process-wide patches: none stays after the call that needs it. ``deepspeed.initialize`` and DeepSpeed's
-``build_shm_op`` are replaced only inside ``with`` blocks (:func:`lit_speed.compat.deepspeed.intercept_deepspeed_initialize`,
+``build_shm_op`` are replaced only inside ``with`` blocks
+(:func:`lit_speed.compat.deepspeed.intercept_deepspeed_initialize`,
 :func:`lit_speed.compat.deepspeed.shm_comm_build_skipped`); the loop patches are per ``Trainer`` instance and
-removed at teardown (:func:`lit_speed.compat.lightning.uninstall_accumulation_controller`).
+removed at teardown (:func:`lit_speed.compat.lightning.uninstall_accumulation_controller`); ``muted_log`` and
+``detached_from_trainer`` patch one module for the length of a ``with`` block.
 
 The submodules are not imported here, so ``import lit_speed.compat`` stays cheap (no DeepSpeed).
 """

@@ -49,7 +49,8 @@ def uncompile(module: nn.Module) -> None:
 
 
 def is_compiled_wrapper(module: Any) -> bool:
-    """Whether ``module`` is the wrapper ``torch.compile(module)`` returns (``torch._dynamo.eval_frame.OptimizedModule``)."""
+    """Whether ``module`` is the wrapper ``torch.compile(module)`` returns
+    (``torch._dynamo.eval_frame.OptimizedModule``)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     return isinstance(module, OptimizedModule)

@@ -379,9 +379,9 @@ class GuardedPrecision(Precision):
 def _before_step_hooks_and_clipping(plugin: Precision, model: "pl.LightningModule", optimizer: Any) -> None:
     """``on_before_optimizer_step`` hooks, then gradient clipping (on the unscaled gradients here).
 
-    The one private Lightning call of this plugin (see :func:`lit_speed.compat.lightning.run_before_step_hooks_and_clipping`);
-    ``tests/test_compat.py`` checks its signature so a Lightning change fails loudly rather than skipping
-    hooks or clipping.
+    The one private Lightning call of this plugin, made in
+    :func:`lit_speed.compat.lightning.run_before_step_hooks_and_clipping`; ``tests/test_compat.py`` checks its
+    signature so a Lightning change fails loudly rather than skipping hooks or clipping.
     """
     pl_compat.run_before_step_hooks_and_clipping(plugin, model, optimizer)
 
