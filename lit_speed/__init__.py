@@ -1,7 +1,9 @@
 """lit_speed: PyTorch Lightning components that make training faster and lighter.
 
 Public components are imported lazily, so ``import lit_speed`` stays cheap and a component's heavy
-dependencies (DeepSpeed, NVML) load only when that component is used.
+dependencies (DeepSpeed, NVML) load only when that component is used. A component that needs another's
+class imports it from here (``from lit_speed import GuardedDeepSpeedPrecision``), never from the other
+component's package; see :mod:`lit_speed.interfaces` for the shared modules.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "GuardedPrecision": "lit_speed.precision.guarded_precision",
+    "GuardedDeepSpeedPrecision": "lit_speed.precision.zero_guard",
     "AccumulationScheduler": "lit_speed.accumulation.accumulation_scheduler",
     "ZeroStrategy": "lit_speed.strategies.zero_strategy",
     "CurriculumDataModule": "lit_speed.curriculum.curriculum_data_module",

@@ -13,11 +13,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lit_speed.config_error import ConfigError  # re-exported: scripts import it from here
+
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-class ConfigError(ValueError):
-    """A configuration the user can fix; the message names the setting, the choices and the fix."""
 
 
 def group_options(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
@@ -122,7 +120,7 @@ def preflight(argv: list[str], config_name: str = "train", config_dir: Path = CO
     Only plain overrides are checked (``hydra.*`` settings and flags are Hydra's own business).
     """
     overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
-    from lit_speed.run_checks import check_config  # it imports ConfigError from here
+    from lit_speed.run_checks import check_config  # imported on use: it loads torch
 
     firsts = []
     for override in overrides:

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from omegaconf import DictConfig, OmegaConf
 
-from lit_speed.config_check import ConfigError
+from lit_speed.config_error import ConfigError
 
 # which model each DataModule feeds; a curriculum wraps another DataModule (conf/data/*_curriculum.yaml)
 DATA_MODEL = {"DigitsDataModule": ("mlp", "MLPClassifier", "data=digits model=mlp"),

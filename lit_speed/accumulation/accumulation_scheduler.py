@@ -9,12 +9,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_speed.accumulation import lightning_internals, micro_batch as mb
+from lit_speed.accumulation import micro_batch as mb
 from lit_speed.accumulation.schedule import (LR_SCALINGS, RAMPS, UNITS, check_choice, check_divisible,
                                              factor_at, factor_for_effective_batch, lr_scale, validate_schedule,
                                              value_at)
 from lit_speed.accumulation.window import (NORMALIZE, batch_samples, count_items, count_tokens, scale_gradients,
                                            split_batch, window_scale)
+from lit_speed.compat import lightning as pl_compat
+from lit_speed.interfaces import AccumulationFollower
+from lit_speed.step_logging import log_step_metrics
 
 
 def _checked(arg: str, value: Any, check: Callable[..., Any], *args: Any) -> Any:
@@ -87,7 +90,7 @@ class AccumulationScheduler(Callback):
         self.ignore_index = ignore_index
         self.memory_budget_mb = memory_budget_mb
         self.oom_recovery = oom_recovery
-        # decisions read by Lightning's loop through lightning_internals
+        # decisions read by Lightning's loop (patched through lit_speed.compat) and by optimizer_steps_now()
         self.step_now = False
         self.zero_now = True
         # window state (resumable)
@@ -113,6 +116,13 @@ class AccumulationScheduler(Callback):
     def current_factor(self) -> int:
         """Micro-batches per optimizer step in the current window (per process)."""
         return self._factor * self._pieces
+
+    def optimizer_steps_now(self) -> bool:
+        """Whether the optimizer steps after the micro-batch now running.
+
+        This makes the callback a :class:`~lit_speed.interfaces.AccumulationDecider`: ``ZeroStrategy`` reads it.
+        """
+        return self.step_now
 
     def describe(self) -> dict[str, str]:
         """Rows for the start-up table."""
@@ -140,7 +150,7 @@ class AccumulationScheduler(Callback):
                              "AccumulationScheduler both set accumulation; remove accumulate_grad_batches from the "
                              "Trainer (or use AccumulationScheduler(factors={0: N}))")
         self._deepspeed = _is_deepspeed(trainer)
-        if self._deepspeed and not _is_zero_strategy(trainer):
+        if self._deepspeed and not isinstance(trainer.strategy, AccumulationFollower):
             raise ValueError(f"AccumulationScheduler with {type(trainer.strategy).__name__}: use "
                              "lit_speed.ZeroStrategy(stage=1|2|3), which keeps DeepSpeed's "
                              "gradient_accumulation_steps and boundary in step with this callback")
@@ -158,7 +168,7 @@ class AccumulationScheduler(Callback):
                 self.micro_batch = self._auto_micro_batch(trainer, pl_module)
             dm.batch_size = self.micro_batch
         self._trainer = trainer
-        lightning_internals.install(trainer, self)
+        pl_compat.install_accumulation_controller(trainer, self)
 
     def _auto_micro_batch(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> int:
         batch = trainer.strategy.batch_to_device(next(iter(trainer.datamodule.train_dataloader())))
@@ -171,7 +181,7 @@ class AccumulationScheduler(Callback):
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
-            lightning_internals.uninstall(trainer)
+            pl_compat.uninstall_accumulation_controller(trainer)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -248,7 +258,7 @@ class AccumulationScheduler(Callback):
         # decided here, before the strategy's own on_train_batch_start (ZeroStrategy reads the decision)
         if self._pos == 0:
             self._start_window(trainer, batch)
-        self._epoch_end = lightning_internals.is_last_batch_of_epoch(trainer)  # ends a ragged window
+        self._epoch_end = pl_compat.is_last_batch_of_epoch(trainer)  # ends a ragged window
         self.zero_now = self._pos == 0
         self.step_now = self._pieces == 1 and (self._pos + 1 == self._factor or self._epoch_end)
 
@@ -350,7 +360,7 @@ class AccumulationScheduler(Callback):
         if self._deepspeed:
             trainer.strategy.deepspeed_engine.optimizer.override_loss_scale(1.0)
         # self.log costs ~0.5 ms per value on a CPU: log what changed, and everything when the loggers write
-        lightning_internals.log_step_metrics(trainer, pl_module, {
+        log_step_metrics(trainer, pl_module, {
             "accumulation/factor": float(self.current_factor),
             "accumulation/micro_batch": float(self._micro()),
             "accumulation/effective_batch": float(self._effective(trainer, self._factor)),
@@ -387,14 +397,7 @@ class AccumulationScheduler(Callback):
         self._saved_grads = state_dict.get("partial_grads")
 
 
-
 def _is_deepspeed(trainer: "pl.Trainer") -> bool:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     return isinstance(trainer.strategy, DeepSpeedStrategy)
-
-
-def _is_zero_strategy(trainer: "pl.Trainer") -> bool:
-    from lit_speed.strategies.zero_strategy import ZeroStrategy  # imports DeepSpeed: only when it is in use
-
-    return isinstance(trainer.strategy, ZeroStrategy)

@@ -1,10 +1,8 @@
-"""Pick the largest micro-batch that fits, and recognise out-of-memory errors in all their disguises.
+"""Pick the largest micro-batch that fits (out-of-memory errors are recognised by :mod:`lit_speed.oom`).
 
-CUDA reports running out of memory in several ways (``torch.cuda.OutOfMemoryError``, a plain
-``RuntimeError`` from cuBLAS/cuDNN/NCCL kernels that failed to allocate workspace); CPU allocations rarely
-fail cleanly, so on CPU the micro-batch is chosen against a *memory budget*: the bytes of tensors
-autograd saves for backward, measured on the real module at two micro-batch sizes and extrapolated
-linearly (activations grow linearly with the micro-batch; weights, gradients and optimizer state do not).
+CPU allocations rarely fail cleanly, so on CPU the micro-batch is chosen against a *memory budget*: the
+bytes of tensors autograd saves for backward, measured on the real module at two micro-batch sizes and
+extrapolated linearly (activations grow linearly with the micro-batch; weights, gradients and optimizer state do not).
 """
 from __future__ import annotations
 
@@ -13,37 +11,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from lit_speed.accumulation.window import batch_samples, head_batch
-
-# Substrings of the messages CUDA/cuBLAS/cuDNN/NCCL/MPS and the CPU allocators use for a failed allocation.
-OOM_MESSAGES = (
-    "out of memory",                         # "CUDA out of memory. Tried to allocate ...", "CUDA error: out of memory"
-    "CUBLAS_STATUS_ALLOC_FAILED",            # cuBLAS could not allocate its workspace
-    "CUDNN_STATUS_NOT_SUPPORTED",            # cuDNN falls back to this when a workspace does not fit
-    "CUDNN_STATUS_ALLOC_FAILED",
-    "cuFFT error: CUFFT_ALLOC_FAILED",
-    "NCCL error: unhandled cuda error",      # NCCL buffers failing to allocate
-    "MPS backend out of memory",
-    "DefaultCPUAllocator: can't allocate memory",
-    "DefaultCPUAllocator: not enough memory",
-    "std::bad_alloc",                        # C++ allocations inside CPU kernels
-    "could not create a primitive",          # oneDNN (CPU): its workspace allocation failed (seen under RLIMIT_AS)
-)
-
-
-def is_oom_error(error: BaseException) -> bool:
-    """True if ``error`` means an allocation failed (any device), so a smaller micro-batch may succeed.
-
-    Example::
-
-        >>> is_oom_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
-        True
-    """
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    if not isinstance(error, RuntimeError):
-        return False
-    message = str(error).lower()
-    return any(pattern.lower() in message for pattern in OOM_MESSAGES)
+from lit_speed.compat.lightning import muted_log
+from lit_speed.oom import OOM_MESSAGES, is_oom_error  # noqa: F401 - re-exported, imported from here before
 
 
 def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
@@ -124,15 +93,14 @@ def probe_micro_batch(module: torch.nn.Module, batch: Any, effective_batch: Mapp
                          "the datamodule's batch_size must be >= 2")
     was_training = module.training
     module.train()
-    module.log = lambda *args, **kwargs: None  # the probe runs outside Lightning's loop, where self.log raises
     try:
         def loss_fn(b: Any) -> torch.Tensor:
             out = module.training_step(b, 0)
             return out["loss"] if isinstance(out, Mapping) else out
 
-        per_sample, fixed = measure_activation_model(loss_fn, batch, head_batch)
+        with muted_log(module):  # the probe runs outside Lightning's loop, where self.log raises
+            per_sample, fixed = measure_activation_model(loss_fn, batch, head_batch)
     finally:
-        del module.log
         module.train(was_training)
         for metric in module.modules():  # metrics the probe's forward updated
             if type(metric).__module__.startswith("torchmetrics") and hasattr(metric, "reset"):

@@ -20,6 +20,8 @@ from typing import Any, Iterable
 
 import torch
 
+from lit_speed.compat import torch as torch_compat
+
 NORMALIZE = ("samples", "tokens", "micro_batch")
 _TARGET_KEYS = ("labels", "targets", "target", "y")
 
@@ -132,7 +134,7 @@ def scale_gradients(params: Iterable[torch.nn.Parameter], scale: float) -> None:
         return
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
-        torch._foreach_mul_(grads, scale)
+        torch_compat.foreach_mul_(grads, scale)
 
 
 def window_scale(items_in_window: float, world_size: int) -> float:

@@ -16,7 +16,6 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.types import _PATH
 from fsspec.implementations.local import LocalFileSystem
 from typing_extensions import override
 
@@ -29,13 +28,13 @@ class CorruptCheckpointError(ValueError):
     """A checkpoint file that is truncated, damaged or not a checkpoint at all (bad input: a ``ValueError``)."""
 
 
-def previous_path(path: _PATH) -> Path:
+def previous_path(path: str | Path) -> Path:
     """Where :class:`AtomicCheckpointIO` keeps the version of ``path`` that the last save replaced."""
     path = Path(path)
     return path.with_name(path.name + PREVIOUS_SUFFIX)
 
 
-def verify_checkpoint(path: _PATH, check_globals: bool = True) -> None:
+def verify_checkpoint(path: str | Path, check_globals: bool = True) -> None:
     """Check that ``path`` is a complete, undamaged ``torch.save`` archive (or a folder of them).
 
     Every record's CRC-32 is recomputed, so a flipped byte inside a tensor is found, not only truncation,
@@ -77,7 +76,7 @@ def verify_checkpoint(path: _PATH, check_globals: bool = True) -> None:
                                                     "which a safe load refuses and an unsafe load would execute"))
 
 
-def unsafe_globals(path: _PATH) -> list[str]:
+def unsafe_globals(path: str | Path) -> list[str]:
     """The classes and functions a ``torch.load(weights_only=True)`` of ``path`` would refuse.
 
     The pickle is disassembled, never run (``torch.serialization.get_unsafe_globals_in_checkpoint``), so a
@@ -125,7 +124,8 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def write_atomically(data: bytes | memoryview, path: _PATH, keep_previous: bool = True, verify: bool = True) -> None:
+def write_atomically(data: bytes | memoryview, path: str | Path, keep_previous: bool = True,
+                     verify: bool = True) -> None:
     """Write ``data`` to ``path`` so that a reader sees either the old complete file or the new one.
 
     The bytes go to a temporary file in the same folder, are flushed to disk, optionally verified, and then
@@ -185,7 +185,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.verify = verify
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path,
+                        storage_options: Optional[Any] = None) -> None:
         if storage_options is not None or not _is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
@@ -194,14 +195,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         write_atomically(buffer.getbuffer(), path, keep_previous=self.keep_previous, verify=self.verify)
 
     @override
-    def load_checkpoint(self, path: _PATH, map_location: Optional[Callable] = lambda storage, loc: storage,
+    def load_checkpoint(self, path: str | Path, map_location: Optional[Callable] = lambda storage, loc: storage,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         if _is_local(path) and Path(path).exists():
             verify_checkpoint(path)
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     @override
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: str | Path) -> None:
         super().remove_checkpoint(path)
         if _is_local(path):
             previous_path(path).unlink(missing_ok=True)
@@ -212,5 +213,5 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 + (", previous kept as .prev" if self.keep_previous else "")}
 
 
-def _is_local(path: _PATH) -> bool:
+def _is_local(path: str | Path) -> bool:
     return isinstance(get_filesystem(path), LocalFileSystem)

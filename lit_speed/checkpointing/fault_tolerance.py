@@ -17,7 +17,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from typing_extensions import override
 
-from lit_speed.accumulation.micro_batch import is_oom_error
 from lit_speed.checkpointing.atomic_checkpoint_io import AtomicCheckpointIO
 from lit_speed.checkpointing.preemption import install_stop_signal, save_interrupted
 from lit_speed.checkpointing.resume import (
@@ -33,6 +32,7 @@ from lit_speed.checkpointing.resume import (
     snapshot_rng_before_each_fetch,
     train_iterator_exists,
 )
+from lit_speed.oom import is_oom_error
 
 log = logging.getLogger(__name__)
 

@@ -23,17 +23,18 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_speed.compat import lightning as pl_compat
+
 log = logging.getLogger(__name__)
 
 
 def request_stop(trainer: "pl.Trainer") -> None:
     """Ask the loops to stop at the next batch boundary, exactly as a SIGTERM does.
 
-    Private Lightning detail (2.6.6): the loops read ``trainer.received_sigterm``, which is
-    ``trainer._signal_connector.received_sigterm``; setting it reuses their stop points and their
-    cross-process broadcast. ``tests/checkpointing/test_faults_signals.py`` fails if Lightning renames it.
+    The loops read ``trainer.received_sigterm``; setting it (a private Lightning detail, see
+    :func:`lit_speed.compat.lightning.request_stop`) reuses their stop points and their cross-process broadcast.
     """
-    trainer._signal_connector.received_sigterm = True
+    pl_compat.request_stop(trainer)
 
 
 def install_stop_signal(trainer: "pl.Trainer", signum: int, on_signal: Callable[[int], None]) -> bool:

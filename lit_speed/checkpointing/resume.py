@@ -13,16 +13,16 @@ from typing import Any, Callable, Iterable
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lit_speed.checkpointing.atomic_checkpoint_io import PREVIOUS_SUFFIX, CorruptCheckpointError, verify_checkpoint
+from lit_speed.compat import lightning_data
 
 LIGHTNING_KEYWORDS = ("best", "hpc", "registry")  # ckpt_path values Lightning resolves itself
 
 
-def checkpoint_candidates(folders: Iterable[_PATH]) -> list[Path]:
+def checkpoint_candidates(folders: Iterable[str | Path]) -> list[Path]:
     """Every checkpoint in ``folders`` (``*.ckpt``, their ``.prev`` versions, DeepSpeed folders), newest first.
 
     Newest means latest modification time, as in Lightning; a ``.prev`` hard link keeps the time of the
@@ -45,7 +45,7 @@ def _modified_ns(path: Path) -> int:
     return path.stat().st_mtime_ns
 
 
-def last_good_checkpoint(folders: Iterable[_PATH]) -> Path | None:
+def last_good_checkpoint(folders: Iterable[str | Path]) -> Path | None:
     """The newest checkpoint in ``folders`` that passes :func:`verify_checkpoint`; ``None`` if there is none.
 
     Args:
@@ -104,7 +104,7 @@ def checkpoint_folders(trainer: "pl.Trainer") -> list[Path]:
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]
 
 
-def resolve_ckpt_path(ckpt_path: _PATH | None, trainer: "pl.Trainer") -> _PATH | None:
+def resolve_ckpt_path(ckpt_path: str | Path | None, trainer: "pl.Trainer") -> str | Path | None:
     """What to pass to ``trainer.fit(ckpt_path=...)``.
 
     ``"last"`` becomes the newest checkpoint that verifies in the Trainer's checkpoint folders (``None``,
@@ -192,17 +192,14 @@ def train_iterator_exists(trainer: "pl.Trainer | None") -> bool:
     first resumed epoch's iterator *before* the RNG states and the sampler epoch are restored
     (Lightning issue #20550 is the same ordering bug for stateful loaders).
     """
-    fetcher = getattr(getattr(trainer, "fit_loop", None), "_data_fetcher", None)
-    return getattr(fetcher, "iterator", None) is not None
+    return lightning_data.train_iterator_exists(trainer)
 
 
 def recreate_train_iterator(trainer: "pl.Trainer") -> None:
     """Build the fit loop's training iterator again, as Lightning does itself at the start of every epoch
     after the first (``_TrainingEpochLoop.on_run_start`` calls ``iter(data_fetcher)``): samplers shuffle
     and the loader draws its base seed from the RNG states as they are now; a prefetched batch is dropped."""
-    fetcher = trainer.fit_loop._data_fetcher
-    if fetcher is not None:
-        iter(fetcher)
+    lightning_data.recreate_train_iterator(trainer)
 
 
 def snapshot_rng_before_each_fetch(trainer: "pl.Trainer", snapshot: Callable[[], None]) -> None:
@@ -213,25 +210,12 @@ def snapshot_rng_before_each_fetch(trainer: "pl.Trainer", snapshot: Callable[[],
     written after batch k, batch k+1 has already been drawn from the global RNGs. Resuming from the RNG state
     at the checkpoint alone therefore skips or repeats one batch; the state before that fetch replays it.
     """
-    epoch_loop = trainer.fit_loop.epoch_loop
-    before = epoch_loop._on_before_fetch
-    if getattr(before, "_lit_speed_snapshot", False):
-        return
-
-    def on_before_fetch() -> None:
-        fetcher = trainer.fit_loop._data_fetcher
-        if fetcher is not None and fetcher.length is None:  # only unsized loaders are prefetched
-            snapshot()
-        before()
-
-    on_before_fetch._lit_speed_snapshot = True  # type: ignore[attr-defined]
-    epoch_loop._on_before_fetch = on_before_fetch
+    lightning_data.call_before_each_unsized_fetch(trainer, snapshot)
 
 
 def prefetched_batches(trainer: "pl.Trainer") -> int:
     """How many training batches the fit loop's fetcher holds ahead of training (private, Lightning 2.6.6)."""
-    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-    return len(getattr(fetcher, "batches", None) or [])
+    return lightning_data.prefetched_batches(trainer)
 
 
 def inexact_mid_epoch_resume(trainer: "pl.Trainer") -> str | None:
@@ -270,11 +254,4 @@ def redraw_prefetched_batch(trainer: "pl.Trainer", state: dict[str, Any]) -> Non
     """Drop the batch the fit loop's fetcher prefetched and draw it again after restoring ``state`` (private
     fetcher detail, Lightning 2.6.6: ``_PrefetchDataFetcher.batches``). The iterator itself is kept: building
     a new one would draw a base seed from the torch RNG between ``state`` and the fetch."""
-    fetcher = trainer.fit_loop._data_fetcher
-    if fetcher is None or fetcher.iterator is None or not getattr(fetcher, "batches", None):
-        return
-    fetcher.batches.clear()
-    fetcher.fetched -= 1
-    set_rng_state(state)
-    fetcher.batches.append(next(fetcher.iterator))
-    fetcher.fetched += 1
+    lightning_data.redraw_prefetched_batch(trainer, lambda: set_rng_state(state))

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lit_speed.accumulation.lightning_internals import log_step_metrics
+from lit_speed.step_logging import log_step_metrics
 
 PATIENCE_UNITS = ("checks", "steps", "seconds")
 MODES = ("min", "max")

@@ -11,8 +11,7 @@ import os
 from typing import Any, Callable
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 
 def available_cores() -> int:

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lit_speed.compat import torch as torch_compat
 from lit_speed.memory.activation_checkpointing import resolve_module_types
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -36,14 +37,9 @@ def repeated_block_types(root: nn.Module) -> list[type]:
     return [cls for cls, n in counts.items() if n > 1]
 
 
-def _uncompile(module: nn.Module) -> None:
-    # torch 2.13: nn.Module.compile() stores the compiled call in the private `_compiled_call_impl`;
-    # setting it back to None restores eager calls. tests/memory/test_compile_model.py checks this attribute.
-    module._compiled_call_impl = None
-
-
 def is_compiled(module: nn.Module) -> bool:
-    return getattr(module, "_compiled_call_impl", None) is not None
+    """Whether ``module`` was compiled in place (``nn.Module.compile()``)."""
+    return torch_compat.is_compiled(module)
 
 
 def compile_modules(root: nn.Module, regional: bool = True, modules: Sequence[str | type] | None = None,
@@ -61,8 +57,8 @@ def compile_modules(root: nn.Module, regional: bool = True, modules: Sequence[st
         return [""]
     classes = tuple(resolve_module_types(modules, root) if modules else repeated_block_types(root))
     if not classes:
-        raise ValueError(f"compile_modules(regional=True): {type(root).__name__} has no repeated block type; "
-                         f"name one with modules=[...] or set regional=False")
+        raise ValueError(f"compile.regional=true but {type(root).__name__} has no repeated block type; "
+                         f"name one with compile.modules=[...] or set compile.regional=false")
     names = []
     for name, module in root.named_modules():
         if module is not root and isinstance(module, classes):
@@ -75,7 +71,7 @@ def uncompile_modules(root: nn.Module) -> int:
     """Return every in-place-compiled module of ``root`` to eager mode; returns how many there were."""
     compiled = [m for m in root.modules() if is_compiled(m)]
     for module in compiled:
-        _uncompile(module)
+        torch_compat.uncompile(module)
     return len(compiled)
 
 
@@ -105,7 +101,7 @@ class CompileModel(Callback):
     def __init__(self, mode: str = "default", regional: bool = True, modules: Sequence[str] | None = None,
                  backend: str = "inductor", dynamic: bool | None = None, fullgraph: bool = False) -> None:
         if mode not in MODES:
-            raise ValueError(f"CompileModel(mode={mode!r}): mode must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"compile.mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.regional = bool(regional)
         self.modules = list(modules) if modules else None

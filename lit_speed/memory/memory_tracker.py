@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lit_speed.compat.torch import TorchDispatchMode, tree_leaves
 
 
 def tensor_bytes(tensors: Any) -> int:

@@ -25,8 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from lit_speed.compat.torch import tree_map
 from lit_speed.memory.activation_checkpointing import checkpoint_modules, restore_modules
 from lit_speed.memory.memory_tracker import LiveTensorTracker, tensor_bytes
 from lit_speed.memory.model_state import PARAM_BYTES, STRATEGIES, state_bytes

@@ -15,6 +15,8 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from lit_speed.compat import torch as torch_compat
+
 # Dense (no sparsity) peak FLOP/s from NVIDIA datasheets, the same sources Lightning 2.6.6 cites in
 # lightning/fabric/utilities/throughput.py. Matched in order by substrings of the lower-case device name,
 # so the more specific names come first. "tf32" is fp32 matmuls run on tensor cores.
@@ -111,12 +113,7 @@ def contains_compiled(module: torch.nn.Module) -> bool:
     compile, a frame first called under one (pytorch/pytorch#190286, #140909): counting the first batch
     of a compiled model could silently undo the compilation, so the logger does not count it.
     """
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    # torch 2.13: nn.Module.compile() keeps the compiled call in the private `_compiled_call_impl`
-    # (tests/monitoring/test_diagnosis.py fails loudly if that changes)
-    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
-               for m in module.modules())
+    return any(torch_compat.is_compiled_wrapper(m) or torch_compat.is_compiled(m) for m in module.modules())
 
 
 class FlopCount:

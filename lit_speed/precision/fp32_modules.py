@@ -15,13 +15,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 
-def _cast(value: Any, dtype: torch.dtype) -> Any:
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor in it (through tuples, lists and dicts) cast to ``dtype``."""
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.to(dtype)
     if isinstance(value, (tuple, list)):
-        return type(value)(_cast(v, dtype) for v in value)
+        return type(value)(cast_floating(v, dtype) for v in value)
     if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
+        return {k: cast_floating(v, dtype) for k, v in value.items()}
     return value
 
 
@@ -80,16 +81,17 @@ class Float32Islands:
         context = torch.autocast(self.device_type, enabled=False)
         context.__enter__()
         self._contexts.append(context)
-        return _cast(args, torch.float32), _cast(kwargs, torch.float32)
+        return cast_floating(args, torch.float32), cast_floating(kwargs, torch.float32)
 
     def _exit(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._contexts:  # LIFO: nested float32 modules exit in reverse order of entry
             self._contexts.pop().__exit__(None, None, None)
-        return output if self.output_dtype is None else _cast(output, self.output_dtype)
+        return output if self.output_dtype is None else cast_floating(output, self.output_dtype)
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+def default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    """``torch``'s default dtype is ``dtype`` inside the ``with`` block, and what it was before after it."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

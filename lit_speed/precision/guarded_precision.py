@@ -14,7 +14,8 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lit_speed.precision import modes
-from lit_speed.precision.fp32_modules import Float32Islands, _cast, _default_dtype, match_modules
+from lit_speed.compat import lightning as pl_compat
+from lit_speed.precision.fp32_modules import Float32Islands, cast_floating, default_dtype, match_modules
 from lit_speed.precision.master_weights import MasterWeights
 from lit_speed.precision.nonfinite import Action, GuardCounters, all_finite, decide, first_nonfinite, is_genuine
 from lit_speed.precision.probe import DEFAULT_MAX_SLOWDOWN, cpu_has_native_bf16, measure_slowdown, slowdown_warning
@@ -213,7 +214,7 @@ class GuardedPrecision(Precision):
         if dtype is not None:
             context = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
         elif self.mode == "bf16-true":
-            context = _default_dtype(torch.bfloat16)
+            context = default_dtype(torch.bfloat16)
         else:
             context = nullcontext()
         with context:
@@ -221,7 +222,7 @@ class GuardedPrecision(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        return _cast(data, torch.bfloat16) if self.mode in ("bf16-true", "bf16-master") else data
+        return cast_floating(data, torch.bfloat16) if self.mode in ("bf16-true", "bf16-master") else data
 
     # ---- backward and step -------------------------------------------------------------------------------
 
@@ -392,11 +393,11 @@ class GuardedPrecision(Precision):
 def _before_step_hooks_and_clipping(plugin: Precision, model: "pl.LightningModule", optimizer: Any) -> None:
     """``on_before_optimizer_step`` hooks, then gradient clipping (on the unscaled gradients here).
 
-    The one private Lightning call of this plugin: ``Precision._after_closure(model, optimizer)``, written
-    against Lightning 2.6.6 (``MixedPrecision`` calls it the same way). ``tests/precision/test_core.py`` checks
-    its signature so a Lightning change fails loudly rather than skipping hooks or clipping.
+    The one private Lightning call of this plugin, made in
+    :func:`lit_speed.compat.lightning.run_before_step_hooks_and_clipping`; ``tests/test_compat.py`` checks its
+    signature so a Lightning change fails loudly rather than skipping hooks or clipping.
     """
-    plugin._after_closure(model, optimizer)
+    pl_compat.run_before_step_hooks_and_clipping(plugin, model, optimizer)
 
 
 def _trainer_of(module: nn.Module) -> "pl.Trainer | None":

@@ -24,6 +24,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from lit_speed.compat import torch as torch_compat
+
 
 class MasterWeights:
     """Keeps float32 masters of ``module``'s floating parameters and casts the module to ``dtype``.
@@ -75,7 +77,7 @@ class MasterWeights:
     def copy_to_model(self) -> None:
         """Round the masters into the module's bf16 parameters (after each optimizer step)."""
         params = list(self.masters)
-        torch._foreach_copy_(params, [self.masters[p] for p in params])
+        torch_compat.foreach_copy_(params, [self.masters[p] for p in params])
 
     # ---- checkpoints: the state dict holds the masters -------------------------------------------------
 

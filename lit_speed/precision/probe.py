@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from lit_speed.compat import torch as torch_compat
+
 #: Above this ratio (low-precision time / fp32 time) the user is warned, and ``auto`` refuses bf16 on CPU.
 DEFAULT_MAX_SLOWDOWN = 2.0
 
@@ -36,10 +38,7 @@ def slowdown_warning(dtype: torch.dtype, ratio: float, threshold: float = DEFAUL
 
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN reports native bf16 kernels (AVX512-BF16 / AMX) on this CPU."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without mkldnn: no fast bf16 either
-        return False
+    return torch_compat.cpu_has_native_bf16()
 
 
 def _best_time(a: torch.Tensor, b: torch.Tensor, rounds: int, inner: int = 2) -> float:

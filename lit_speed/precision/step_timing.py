@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from lit_speed.compat import lightning as pl_compat
 from lit_speed.precision.master_weights import MasterWeights
 
 #: A low-precision mode must beat 32-true by this fraction to be chosen (timing noise on a shared machine).
@@ -83,14 +84,8 @@ def cached_when(module: nn.Module, batch: Any, modes: Sequence[str]) -> str | No
 
 def _detached_copy(module: nn.Module) -> nn.Module:
     """A deep copy in train mode, without the attached Trainer (Lightning keeps it on the module)."""
-    trainer = getattr(module, "_trainer", None)
-    if trainer is not None:
-        module._trainer = None  # type: ignore[attr-defined]  # deepcopy the model, not the Trainer
-    try:
+    with pl_compat.detached_from_trainer(module):  # deepcopy the model, not the Trainer
         return copy.deepcopy(module).train()
-    finally:
-        if trainer is not None:
-            module._trainer = trainer  # type: ignore[attr-defined]
 
 
 class _ModeRun:
@@ -162,7 +157,7 @@ def choose_by_timing(times: dict[str, float | None], min_gain: float = MIN_GAIN)
 
 def auto_mode_for(module: nn.Module, candidates: Sequence[str]) -> tuple[str, str] | None:
     """Time ``candidates`` on one batch of the attached Trainer's training data; ``None`` if there is none."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = pl_compat.attached_trainer(module)
     datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
     if datamodule is None or not hasattr(datamodule, "train_dataloader"):
         return None

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from lit_speed.compat import lightning as pl_compat
+
 _WEIGHT_BYTES = {"32-true": 4, "bf16-mixed": 2, "bf16-true": 2, "16-mixed": 2, "16-true": 2}
 
 
@@ -117,5 +119,5 @@ def measured_optimizer_state_bytes(optimizer: Any) -> int:
         tensors = _state_tensors(inner)
         if tensors:
             return sum(t.numel() * t.element_size() for t in tensors)
-        inner = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
+        inner = pl_compat.wrapped_optimizer(inner)
     return 0

@@ -4,19 +4,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Mapping
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_speed.precision.zero_guard import GuardedDeepSpeedPrecision
-from lit_speed.strategies import _lightning_compat as compat
+from lit_speed import GuardedDeepSpeedPrecision
+from lit_speed.compat import deepspeed as ds_compat, lightning as pl_compat
+from lit_speed.compat.deepspeed import BatchSizeFromLoader
+from lit_speed.interfaces import find_accumulation_decider
 from lit_speed.strategies.consolidate import check_resume_world_size
 from lit_speed.strategies.ds_accelerator import use_deepspeed_accelerator
 from lit_speed.strategies.memory_estimate import (
@@ -39,7 +43,7 @@ from lit_speed.strategies.zero_config import (
 _HONOURED_NONFINITE = {p: ("skip",) for p in PRECISIONS}
 
 
-class ZeroStrategy(DeepSpeedStrategy):
+class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
     """Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, checked up front and runnable on CPU.
 
     Adds to Lightning's strategy: the CPU accelerator (DeepSpeed's CPU backend over gloo, 1 or more processes),
@@ -119,7 +123,7 @@ class ZeroStrategy(DeepSpeedStrategy):
     @property
     @override
     def precision_plugin(self) -> Precision:
-        return Strategy.precision_plugin.fget(self)
+        return pl_compat.get_precision_plugin(self)
 
     @precision_plugin.setter
     @override
@@ -132,7 +136,7 @@ class ZeroStrategy(DeepSpeedStrategy):
             self._source_precision = plugin
             guarded = getattr(plugin, "on_nonfinite", None) not in (None, "ignore") and not literal.startswith("16-")
             plugin = GuardedDeepSpeedPrecision(literal, plugin) if guarded else DeepSpeedPrecision(literal)
-        Strategy.precision_plugin.fset(self, plugin)
+        pl_compat.set_precision_plugin(self, plugin)
 
     def _apply_source_precision(self) -> None:
         """fp16 loss-scale settings from the source plugin's ``scaler_config``; its non-finite policy checked."""
@@ -164,7 +168,7 @@ class ZeroStrategy(DeepSpeedStrategy):
             rank_zero_info(f"ZeroStrategy: DeepSpeed accelerator set to {'cpu' if on_cpu else 'cuda'} for this run")
         self._apply_source_precision()
         # skip DeepSpeedStrategy's CUDA-only check; the rest of the environment setup is DDP's
-        DDPStrategy.setup_environment(self)
+        pl_compat.setup_environment_as_ddp(self)
 
     @override
     def setup_distributed(self) -> None:
@@ -174,25 +178,21 @@ class ZeroStrategy(DeepSpeedStrategy):
         # as DeepSpeedStrategy.setup_distributed, without its device-index check (CPU devices have no index)
         reset_seed()
         self.set_world_ranks()
-        if not self.build_shm_comm:
-            compat.skip_shm_comm_build()
-        compat.init_deepspeed_distributed(self)
+        with nullcontext() if self.build_shm_comm else ds_compat.shm_comm_build_skipped():
+            ds_compat.init_deepspeed_distributed(self)
 
     def _adjust_initialize(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         optimizer = kwargs.get("optimizer")
         if optimizer is not None:
             check_offload_optimizer(optimizer, self.offload_optimizer)
         if isinstance(self.accelerator, CPUAccelerator):
-            kwargs = compat.with_device_rank(kwargs, self.local_rank)
+            kwargs = ds_compat.with_device_rank(kwargs, self.local_rank)
         return kwargs
-
-    def _auto_select_batch_size(self) -> int:  # Lightning 2.6.6 private hook, see _lightning_compat
-        return compat.auto_micro_batch_size(self)
 
     @override
     def init_deepspeed(self) -> None:
         self._log_estimate()
-        with compat.intercept_deepspeed_initialize(self._adjust_initialize):
+        with ds_compat.intercept_deepspeed_initialize(self._adjust_initialize):
             super().init_deepspeed()
 
     # -- gradient accumulation: Lightning decides, DeepSpeed follows ---------------------------------------
@@ -206,9 +206,19 @@ class ZeroStrategy(DeepSpeedStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        trainer = self.lightning_module.trainer
+        self.sync_accumulation(self.lightning_module.trainer)
+
+    def sync_accumulation(self, trainer: "pl.Trainer") -> None:
+        """Set the DeepSpeed engine's accumulation steps and boundary from the trainer's current decision.
+
+        The decision comes from the :class:`~lit_speed.interfaces.AccumulationDecider` among the trainer's
+        callbacks (e.g. ``AccumulationScheduler``, which decides in its ``on_train_batch_start``, before this
+        runs), else from Lightning's own ``batch % accumulate_grad_batches`` rule.
+        """
         set_accumulation(self.deepspeed_engine, trainer.accumulate_grad_batches)
-        self.deepspeed_engine.set_gradient_accumulation_boundary(not compat.should_accumulate(trainer))
+        decider = find_accumulation_decider(trainer.callbacks)
+        steps = decider.optimizer_steps_now() if decider is not None else not pl_compat.should_accumulate(trainer)
+        self.deepspeed_engine.set_gradient_accumulation_boundary(steps)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     @override

@@ -228,35 +228,6 @@ def test_a_deepspeed_folder_is_as_new_as_the_newest_file_inside_it(tmp_path):
     assert last_good_checkpoint([tmp_path]) == new
 
 
-def test_train_iterator_helpers_follow_lightnings_fit_loop(tmp_path):
-    # FaultTolerance rebuilds the training iterator when DeepSpeed restores the RNG states after it was made;
-    # this fails loudly if Lightning moves the fit loop's iterator (resume.train_iterator_exists)
-    from lightning.pytorch.callbacks import Callback
-
-    from lit_speed.checkpointing.resume import recreate_train_iterator, train_iterator_exists
-
-    seen: dict[str, object] = {}
-
-    class Probe(Callback):
-        def setup(self, trainer, pl_module, stage):
-            seen["at setup"] = train_iterator_exists(trainer)
-
-        def on_train_start(self, trainer, pl_module):
-            seen["at train start"] = train_iterator_exists(trainer)
-            loader = trainer.fit_loop._data_fetcher.combined_loader
-            before = loader._iterator
-            recreate_train_iterator(trainer)
-            seen["rebuilt"] = loader._iterator is not before
-
-    pl.seed_everything(0)
-    trainer = pl.Trainer(accelerator="cpu", callbacks=[Probe()], logger=False, max_steps=2, limit_val_batches=0,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
-    trainer.fit(MLPClassifier(hidden=8, depth=1, optimizer=lambda p: torch.optim.SGD(p, lr=0.1)),
-                datamodule=DigitsDataModule(batch_size=32))
-    assert seen == {"at setup": False, "at train start": True, "rebuilt": True}
-    assert trainer.global_step == 2
-
-
 def test_rng_states_of_another_world_size_fall_back_to_rank_0s_with_a_warning():
     torch.manual_seed(1)
     rank0 = rng_state()

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import signal
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
 from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, kill_at, train
-
-from lit_speed.checkpointing.preemption import request_stop  # noqa: E402
 
 STOP_STEP = 11  # mid-epoch 2 (8 steps per epoch); the last epoch-end checkpoint is step 8
 
@@ -48,11 +45,3 @@ def test_sigterm_resume_ends_bitwise_where_the_uninterrupted_run_ends(tmp_path):
     diffs = max_abs_differences(tmp_path / "reference" / "checkpoints" / "last.ckpt",
                                 tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert not {k: v for k, v in diffs.items() if v != 0.0}
-
-
-def test_request_stop_uses_lightnings_sigterm_flag():
-    # request_stop writes a private Lightning attribute (2.6.6): fail loudly if Lightning renames it
-    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    assert trainer.received_sigterm is False
-    request_stop(trainer)
-    assert trainer.received_sigterm is True

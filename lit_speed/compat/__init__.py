@@ -1,0 +1,30 @@
+"""The one door to private Lightning, DeepSpeed and torch names: every access lit_speed makes to one is here.
+
+Nothing else in ``lit_speed`` reads, writes, imports or overrides a private name of these libraries
+(``tests/test_architecture.py`` scans for it); ``tests/test_compat.py`` pins every name used here and fails
+naming the one that moved. After upgrading a library, run that file, then re-read the helpers it names.
+
+Modules, by library (each function states the version it was written against):
+
+* :mod:`lit_speed.compat.lightning` - loop, trainer and module internals of Lightning: the accumulation
+  decisions (instance patches of the fit loop), the logger cadence, the SIGTERM flag, a precision plugin's
+  closure hook, a module's trainer link, a strategy's precision-plugin property and DDP's environment setup.
+* :mod:`lit_speed.compat.lightning_data` - the fit loop's data fetcher and data source.
+* :mod:`lit_speed.compat.deepspeed` - DeepSpeed itself and Lightning's ``DeepSpeedStrategy`` internals.
+* :mod:`lit_speed.compat.torch` - private torch ops and modules (``_foreach_*``, pytree, dispatch modes,
+  ``torch.compile``'s module wrapper, the oneDNN bf16 check).
+
+Process-wide patches: none stays after the call that needs it. ``deepspeed.initialize`` and DeepSpeed's
+``build_shm_op`` are replaced only inside ``with`` blocks
+(:func:`lit_speed.compat.deepspeed.intercept_deepspeed_initialize`,
+:func:`lit_speed.compat.deepspeed.shm_comm_build_skipped`); the loop patches are per ``Trainer`` instance and
+removed at teardown (:func:`lit_speed.compat.lightning.uninstall_accumulation_controller`); ``muted_log`` and
+``detached_from_trainer`` patch one module for the length of a ``with`` block.
+
+The submodules are not imported here, so ``import lit_speed.compat`` stays cheap (no DeepSpeed).
+"""
+from __future__ import annotations
+
+LIGHTNING_VERSION = "2.6.6"  # the versions these helpers were written and tested against
+DEEPSPEED_VERSION = "0.19.8"
+TORCH_VERSION = "2.13"

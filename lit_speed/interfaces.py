@@ -1,0 +1,55 @@
+"""Small public interfaces through which lit_speed's components talk to each other.
+
+A component never imports another component's class to coordinate with it: it looks for an object that
+implements one of these protocols (among ``trainer.callbacks``, or as ``trainer.strategy``). Any class with the
+methods qualifies, so each side also works with a third-party counterpart, or alone.
+
+* :class:`AccumulationDecider` - a callback that decides, per micro-batch, whether the optimizer steps after
+  it (``lit_speed.AccumulationScheduler``). Read by ``lit_speed.ZeroStrategy`` to set DeepSpeed's boundary.
+* :class:`AccumulationFollower` - a strategy that keeps its own accumulation state in step with that decision
+  (``lit_speed.ZeroStrategy``). ``AccumulationScheduler`` refuses other DeepSpeed strategies.
+
+Shared modules: a component package (``lit_speed/<component>/``) imports from another component package only
+through the public names of ``lit_speed/__init__.py`` or one of these shared modules
+(``tests/test_architecture.py`` checks it; keep ``SHARED_MODULES`` there in step with this list):
+
+* ``lit_speed.interfaces`` - these protocols.
+* ``lit_speed.compat`` (package) - every access to a private Lightning/DeepSpeed/torch name.
+* ``lit_speed.tables`` - the start-up and end-of-run tables.
+* ``lit_speed.run_summary`` - the run summary callback and its batch-size and peak-memory helpers.
+* ``lit_speed.step_logging`` - cheap per-step ``self.log`` of changing values.
+* ``lit_speed.oom`` - recognising out-of-memory errors on any device.
+* ``lit_speed.data.pipeline`` - the loader building blocks every DataModule uses (curriculum's included).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+@runtime_checkable
+class AccumulationDecider(Protocol):
+    """A callback that decides whether the optimizer steps after the micro-batch now running."""
+
+    def optimizer_steps_now(self) -> bool:
+        """The decision for the current micro-batch, made in the callback's ``on_train_batch_start`` (which
+        Lightning runs before the strategy's) and valid until the next one."""
+        ...
+
+
+@runtime_checkable
+class AccumulationFollower(Protocol):
+    """A strategy whose engine keeps its own accumulation state (e.g. DeepSpeed's ``gradient_accumulation_steps``
+    and boundary), synchronised at every training batch from ``trainer.accumulate_grad_batches`` and the
+    :class:`AccumulationDecider` among the callbacks."""
+
+    def sync_accumulation(self, trainer: "pl.Trainer") -> None:
+        """Bring the engine's accumulation state in line with the trainer's current decision."""
+        ...
+
+
+def find_accumulation_decider(callbacks: Iterable[object]) -> Optional[AccumulationDecider]:
+    """The first :class:`AccumulationDecider` among ``callbacks``, ``None`` if there is none."""
+    return next((c for c in callbacks if isinstance(c, AccumulationDecider)), None)

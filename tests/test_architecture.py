@@ -1,0 +1,352 @@
+"""The architecture rules of ``lit_speed/``, checked on its source.
+
+1. Private names of other libraries (Lightning, DeepSpeed, torch, ...) are touched only in ``lit_speed/compat/``:
+   no ``obj._name`` access outside ``self``/``cls``, no import of a private module or name, no ``getattr``-family
+   call with a private name, no instance patch of another object's method, no call of an ancestor's method
+   past the classes in between (``Parent.method(self)``), and no override of a library class's private method.
+2. The import graph (module-level and function-level imports) has no cycle, and a component package
+   (``lit_speed/<component>/``) imports another only through the public names of ``lit_speed/__init__.py`` or
+   one of the :data:`SHARED_MODULES` (documented in :mod:`lit_speed.interfaces`).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+import lit_speed
+
+ROOT = Path(lit_speed.__file__).resolve().parent
+COMPAT = "lit_speed.compat"
+
+#: Modules every component may import (besides ``lit_speed``'s public names); see ``lit_speed/interfaces.py``.
+SHARED_MODULES = (
+    "lit_speed.interfaces",   # the protocols components talk through
+    "lit_speed.compat",       # the one door to private Lightning/DeepSpeed/torch names (a package)
+    "lit_speed.tables",       # start-up and end-of-run tables
+    "lit_speed.run_summary",  # the run summary and its batch-size / peak-memory helpers
+    "lit_speed.step_logging",  # cheap per-step self.log of changing values
+    "lit_speed.oom",          # out-of-memory errors in all their disguises
+    "lit_speed.data.pipeline",  # loader building blocks every DataModule uses
+)
+
+#: Underscore names that are public API of their owner, not private access. Names of the form ``_name_``
+#: ("sunder") are public too: reserved hook and key names such as Enum's ``_generate_next_value_`` and Hydra's
+#: ``_target_``.
+PUBLIC_UNDERSCORE_NAMES = {
+    "_fields": "namedtuple's documented list of field names",
+}
+
+_GETATTR_FAMILY = ("getattr", "setattr", "hasattr", "delattr")
+
+
+def _is_private(name: str) -> bool:
+    """``_name`` and ``__name``, but not ``__dunder__``, ``_sunder_`` or the names in PUBLIC_UNDERSCORE_NAMES."""
+    return name.startswith("_") and not name.endswith("_") and name not in PUBLIC_UNDERSCORE_NAMES
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+# ---------------------------------------------------------------------------------------------- 1. private access
+def private_accesses(source: str, filename: str = "<module>") -> list[str]:
+    """Every private access in ``source``, as ``"file:line: what"`` lines (empty when there is none)."""
+    tree = ast.parse(source, filename)
+    functions = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    found = []
+    for node in ast.walk(tree):
+        what = _private_access(node, functions)
+        if what:
+            found.append(f"{filename}:{node.lineno}: {what}")
+    return sorted(set(found))
+
+
+def _private_access(node: ast.AST, functions: set[str]) -> str | None:
+    if isinstance(node, ast.Attribute) and _is_private(node.attr) and not _is_self(node.value):
+        return f"private attribute {ast.unparse(node)}"
+    if isinstance(node, ast.ImportFrom):
+        names = [a.name for a in node.names]
+        if any(_is_private(part) for part in (node.module or "").split(".")) or any(map(_is_private, names)):
+            return f"private import from {node.module} import {', '.join(names)}"
+    if isinstance(node, ast.Import):
+        hidden = [a.name for a in node.names if any(_is_private(part) for part in a.name.split("."))]
+        if hidden:
+            return f"private import {', '.join(hidden)}"
+    if isinstance(node, ast.Call):
+        return _private_call(node)
+    if isinstance(node, ast.Assign):
+        for target in node.targets:
+            patched = isinstance(node.value, ast.Lambda) or (isinstance(node.value, ast.Name)
+                                                             and node.value.id in functions)
+            if isinstance(target, ast.Attribute) and not _is_self(target.value) and patched:
+                return f"instance patch {ast.unparse(target)} = {ast.unparse(node.value)[:40]}"
+    return None
+
+
+def _private_call(node: ast.Call) -> str | None:
+    func = node.func
+    if isinstance(func, ast.Name) and func.id in _GETATTR_FAMILY and len(node.args) >= 2:
+        name = node.args[1]
+        if isinstance(name, ast.Constant) and isinstance(name.value, str) and _is_private(name.value):
+            return f"{func.id}(..., {name.value!r})"
+    if isinstance(func, ast.Attribute) and node.args and _is_self(node.args[0]):
+        root = _root_name(func)
+        if root and root[:1].isupper():  # Parent.method(self) / Parent.prop.fset(self, ...)
+            return f"ancestor call {ast.unparse(func)}(self, ...) past the classes in between"
+    return None
+
+
+def private_overrides(cls: type) -> list[str]:
+    """Private methods ``cls`` defines that override a method of a base class from outside lit_speed."""
+    found = []
+    for name, value in vars(cls).items():
+        if not (_is_private(name) and inspect.isfunction(value)):
+            continue
+        for base in cls.__mro__[1:]:
+            if not base.__module__.startswith("lit_speed") and name in vars(base):
+                found.append(f"{cls.__module__}.{cls.__qualname__}.{name} overrides {base.__module__}."
+                             f"{base.__qualname__}.{name}")
+                break
+    return found
+
+
+def _modules(root: Path = ROOT, package: str = "lit_speed") -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` under ``root``."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _outside_compat(name: str) -> bool:
+    return name != COMPAT and not name.startswith(COMPAT + ".")
+
+
+def test_no_private_access_outside_compat() -> None:
+    found = [line for name, path in _modules().items() if _outside_compat(name)
+             for line in private_accesses(path.read_text(), str(path.relative_to(ROOT.parent)))]
+    assert not found, ("private names touched outside lit_speed/compat/ (move each into a documented compat helper "
+                       "and pin it in tests/test_compat.py):\n" + "\n".join(found))
+
+
+def test_no_private_override_of_a_library_method_outside_compat() -> None:
+    found = []
+    for name in _modules():
+        if not _outside_compat(name):
+            continue
+        module = importlib.import_module(name)
+        for cls in vars(module).values():
+            if inspect.isclass(cls) and cls.__module__ == name:
+                found += private_overrides(cls)
+    assert not found, "override private library methods in a lit_speed/compat/ mixin instead:\n" + "\n".join(found)
+
+
+def test_the_scanner_reports_each_kind_of_private_access() -> None:
+    synthetic = '''
+from torch._dynamo import eval_frame
+from lightning.pytorch.loops import _FitLoop
+import torch.utils._pytree
+from lit_speed.precision.fp32_modules import _cast
+
+def fit(trainer, loop, node, batch):
+    trainer._foo.bar = 1
+    getattr(trainer, "_signal_connector")
+    def run():
+        pass
+    loop.run = run
+    loop.decide = lambda: True
+    self._mine = node._target_ if hasattr(batch, "_fields") else trainer.__dict__
+
+class S(Parent):
+    def setup(self):
+        DDPStrategy.setup_environment(self)
+        super().setup()
+'''
+    found = private_accesses(synthetic, "synthetic.py")
+    expected = ["private import from torch._dynamo", "private import from lightning.pytorch.loops import _FitLoop",
+                "private import torch.utils._pytree", "private import from lit_speed.precision.fp32_modules",
+                "private attribute trainer._foo", "getattr(..., '_signal_connector')", "instance patch loop.run = run",
+                "instance patch loop.decide", "ancestor call DDPStrategy.setup_environment(self"]
+    for what in expected:
+        assert any(what in line for line in found), f"{what!r} not reported in {found}"
+    assert len(found) == len(expected), found  # self._mine, _target_, _fields, __dict__, super() are fine
+    assert "synthetic.py:8: private attribute trainer._foo" in found
+
+
+def test_the_override_check_reports_a_private_library_hook() -> None:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    class Overriding(DeepSpeedStrategy):
+        def _auto_select_batch_size(self) -> int:
+            return 1
+
+        def _own_helper(self) -> None:
+            pass
+
+    found = private_overrides(Overriding)
+    assert len(found) == 1 and "Overriding._auto_select_batch_size overrides" in found[0]
+
+
+# ---------------------------------------------------------------------------------------------- 2. import graph
+def imports_of(path: Path, name: str, modules: dict[str, Path], package: str = "lit_speed",
+               with_packages: bool = True) -> set[str]:
+    """The ``package`` modules ``name`` imports anywhere in its file (functions included), as module names.
+
+    Importing ``pkg.mod`` also runs ``pkg/__init__.py``: ``with_packages`` adds those packages (outside the
+    importer's own), as the interpreter runs them; without it only the modules named in the source are listed.
+    """
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")[:len(name.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for target in targets:
+            if target == package or target.startswith(package + "."):
+                found.add(target if target in modules else target.rsplit(".", 1)[0])
+    own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
+    for target in list(found) if with_packages else []:
+        parts = target.split(".")
+        found.update(p for p in (".".join(parts[:i]) for i in range(2, len(parts))) if p not in own)
+    found.discard(name)
+    return found
+
+
+def import_graph(root: Path = ROOT, package: str = "lit_speed", with_packages: bool = True) -> dict[str, set[str]]:
+    """Module -> the modules it imports (see :func:`imports_of`), for every module under ``root``."""
+    modules = _modules(root, package)
+    return {name: imports_of(path, name, modules, package, with_packages) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _component(name: str, graph: dict[str, set[str]], package: str = "lit_speed") -> str | None:
+    """The component package a module belongs to (``None`` for top-level modules and shared packages)."""
+    parts = name.split(".")
+    if len(parts) < 2 or _is_shared(f"{package}.{parts[1]}", package):
+        return None
+    prefix = f"{package}.{parts[1]}."
+    return parts[1] if any(other.startswith(prefix) for other in graph) else None
+
+
+def _shared(package: str) -> tuple[str, ...]:
+    return tuple(s.replace("lit_speed", package, 1) for s in SHARED_MODULES)
+
+
+def _is_shared(name: str, package: str = "lit_speed") -> bool:
+    return name == package or any(name == s or name.startswith(s + ".") for s in _shared(package))
+
+
+def layering_violations(graph: dict[str, set[str]], package: str = "lit_speed") -> list[str]:
+    """Imports of one component package by another, and of a component by a shared module (use a graph of the
+    imports named in the source: importing a shared module runs its package's ``__init__``, which is allowed)."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        own = _component(name, graph, package)
+        shared = _is_shared(name, package) and name != package
+        for target in sorted(targets):
+            if _is_shared(target, package) or (own is not None and _component(target, graph, package) == own):
+                continue
+            if own is not None or shared:
+                found.append(f"{name} imports {target}")
+    return found
+
+
+def test_lit_speed_import_graph_has_no_cycle() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_components_import_each_other_only_through_public_names_or_shared_modules() -> None:
+    violations = layering_violations(import_graph(with_packages=False))
+    assert not violations, ("import the class from lit_speed (add it to lit_speed/__init__.py) or move the helper "
+                            "into a shared module (SHARED_MODULES):\n" + "\n".join(violations))
+
+
+def test_names_imported_from_lit_speed_itself_are_public() -> None:
+    exported = set(lit_speed.__all__)
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "lit_speed" and not node.level:
+                assert {a.name for a in node.names} <= exported, f"{name}: {ast.unparse(node)}"
+
+
+def test_shared_modules_exist_and_are_documented() -> None:
+    modules = _modules()
+    documented = importlib.import_module("lit_speed.interfaces").__doc__
+    for shared in SHARED_MODULES:
+        assert shared in modules, f"{shared} is declared shared but does not exist"
+        assert f"``{shared}``" in documented, f"{shared} is not listed in lit_speed/interfaces.py's docstring"
+
+
+@pytest.fixture()
+def synthetic_package(tmp_path: Path) -> Path:
+    files = {
+        "__init__.py": "",
+        "tables.py": "",
+        "alpha/__init__.py": "from pkg.alpha.core import A\n",
+        "alpha/core.py": "from pkg.beta.core import B\nfrom pkg import tables\n",
+        "beta/__init__.py": "",
+        "beta/core.py": "def late():\n    from pkg.alpha import core\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return tmp_path
+
+
+def test_the_graph_checks_report_a_cycle_and_a_cross_component_import(synthetic_package: Path) -> None:
+    graph = import_graph(synthetic_package, "pkg")
+    assert "pkg.alpha" in graph["pkg.beta.core"]  # function-level import, and the package it runs
+    assert cycles(graph) == [["pkg.alpha", "pkg.alpha.core", "pkg.beta.core"]]
+    violations = layering_violations(import_graph(synthetic_package, "pkg", with_packages=False), "pkg")
+    assert violations == ["pkg.alpha.core imports pkg.beta.core", "pkg.beta.core imports pkg.alpha.core"]

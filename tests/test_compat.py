@@ -1,0 +1,361 @@
+"""Fail loudly when Lightning, DeepSpeed or torch change a private name ``lit_speed.compat`` relies on.
+
+``lit_speed/compat/`` is the only place lit_speed touches private names of these libraries (written against
+Lightning 2.6.6, DeepSpeed 0.19.8, torch 2.13; ``tests/test_architecture.py`` keeps it so). Each test here
+names the private name and the compat helper to revisit when it fails: after a library upgrade, run this
+file first, re-read the named method in the new version, and update the helper and its test together.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+from typing import Any
+
+import lightning
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
+from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher  # noqa: E402
+from lightning.pytorch.loops.fit_loop import _FitLoop  # noqa: E402
+from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization, ClosureResult  # noqa: E402
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop  # noqa: E402
+from lightning.pytorch.plugins.precision import Precision  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy  # noqa: E402
+from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lit_speed.compat as compat  # noqa: E402
+from lit_speed.accumulation import AccumulationScheduler  # noqa: E402
+from lit_speed.checkpointing.preemption import request_stop  # noqa: E402
+from lit_speed.compat import deepspeed as ds_compat, lightning as pl_compat, torch as torch_compat  # noqa: E402
+from lit_speed.compat.lightning_data import (call_before_each_unsized_fetch, recreate_train_iterator,  # noqa: E402
+                                             train_iterator_exists)
+from lit_speed.data.digits import DigitsDataModule  # noqa: E402
+from lit_speed.models.mlp import MLPClassifier  # noqa: E402
+
+
+def _source(fn: Any) -> str:
+    return "".join(inspect.getsource(fn).split())  # whitespace-insensitive
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(module: pl.LightningModule, loader: Any, callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, max_epochs=1, callbacks=callbacks,
+                         **kwargs)
+    trainer.fit(module, loader)
+    return trainer
+
+
+def _tiny_loader(n: int = 16, batch_size: int = 8) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(n, 4, generator=generator), torch.randint(0, 2, (n,), generator=generator))
+    return DataLoader(data, batch_size=batch_size)
+
+
+# ---------------------------------------------------------------------------------------------- versions
+def test_lightning_version_is_the_one_the_helpers_were_written_for() -> None:
+    major_minor = ".".join(lightning.__version__.split(".")[:2])
+    assert major_minor == ".".join(compat.LIGHTNING_VERSION.split(".")[:2]), (
+        f"Lightning {lightning.__version__} installed; lit_speed/compat was written against "
+        f"{compat.LIGHTNING_VERSION}: re-check every helper in it, then update LIGHTNING_VERSION")
+
+
+def test_deepspeed_and_torch_versions_are_the_ones_the_helpers_were_written_for() -> None:
+    import deepspeed
+
+    assert _major_minor(deepspeed.__version__) == _major_minor(compat.DEEPSPEED_VERSION), (
+        f"DeepSpeed {deepspeed.__version__} installed; lit_speed/compat/deepspeed.py was written against "
+        f"{compat.DEEPSPEED_VERSION}: re-check it, then update DEEPSPEED_VERSION")
+    assert _major_minor(torch.__version__) == _major_minor(compat.TORCH_VERSION), (
+        f"torch {torch.__version__} installed; lit_speed/compat/torch.py was written against "
+        f"{compat.TORCH_VERSION}: re-check it, then update TORCH_VERSION")
+
+
+# ---------------------------------------------------------------------------------------------- compat.lightning
+def test_epoch_loop_routes_every_accumulation_decision_through_should_accumulate():
+    # install_accumulation_controller(), is_last_batch_of_epoch(): _TrainingEpochLoop._should_accumulate,
+    # _num_ready_batches_reached
+    assert "self._should_accumulate()" in inspect.getsource(_TrainingEpochLoop.update_lr_schedulers)
+    assert "self._should_accumulate()" in inspect.getsource(_TrainingEpochLoop.on_advance_end)
+    assert "notaccumulation_doneandstrategy_accumulates_on_final_batch" in _source(_TrainingEpochLoop._should_accumulate)
+    assert "epoch_finished_on_ready" in _source(_TrainingEpochLoop._num_ready_batches_reached)
+
+
+def test_automatic_optimization_decisions_we_replace_are_unchanged():
+    # install_accumulation_controller(): zero-grad is decided by the batch index modulo the factor; our copy
+    # of _AutomaticOptimization._make_zero_grad_fn replaces only that test
+    zero = _source(_AutomaticOptimization._make_zero_grad_fn)
+    assert "is_first_batch_to_accumulate=batch_idx%self.trainer.accumulate_grad_batches==0" in zero
+    assert "self._on_before_zero_grad(optimizer)" in zero and "self._optimizer_zero_grad(batch_idx,optimizer)" in zero
+    assert "ifself._skip_backward:" in zero
+    run = _source(_AutomaticOptimization.run)
+    assert "self.trainer.fit_loop._should_accumulate()" in run
+    assert "_block_parallel_sync_behavior(self.trainer.strategy,block=True)" in run  # DDP no_sync on accumulation
+    assert list(inspect.signature(_AutomaticOptimization.run).parameters) == ["self", "optimizer", "batch_idx", "kwargs"]
+    # the loss is divided by accumulate_grad_batches, which on_before_backward's weight undoes
+    assert "trainer.accumulate_grad_batches)" in _source(_AutomaticOptimization._training_step)
+    assert "closure_loss=closure_loss/normalize" in _source(ClosureResult.from_training_step_output)
+
+
+def test_install_shadows_instance_methods_only_and_uninstall_restores_them():
+    trainer = _fit(_Tiny(), _tiny_loader(16, 8), [AccumulationScheduler(factors={0: 2})])
+    epoch_loop = trainer.fit_loop.epoch_loop
+    assert "_should_accumulate" not in vars(epoch_loop)
+    assert not {"run", "_make_zero_grad_fn"} & set(vars(epoch_loop.automatic_optimization))
+    assert type(epoch_loop)._should_accumulate is _TrainingEpochLoop._should_accumulate
+
+
+def test_should_accumulate_helper_target_exists() -> None:
+    assert callable(getattr(_FitLoop, "_should_accumulate", None)), "should_accumulate(): fit_loop._should_accumulate gone"
+
+
+def test_logger_cadence_is_read_from_the_logger_connector() -> None:
+    # step_metrics_written_now(): trainer._logger_connector.should_update_logs
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert isinstance(trainer._logger_connector, _LoggerConnector), "step_metrics_written_now(): connector moved"
+    assert isinstance(inspect.getattr_static(_LoggerConnector, "should_update_logs"), property)
+    assert pl_compat.step_metrics_written_now(trainer) in (True, False)
+
+
+def test_request_stop_uses_lightnings_sigterm_flag():
+    # request_stop() writes trainer._signal_connector.received_sigterm: fail loudly if Lightning renames it
+    for stop in (request_stop, pl_compat.request_stop):
+        trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        assert trainer.received_sigterm is False
+        stop(trainer)
+        assert trainer.received_sigterm is True
+
+
+def test_module_trainer_link_is_the_private_trainer_attribute() -> None:
+    # attached_trainer(), detached_from_trainer(): LightningModule._trainer backs the public .trainer
+    module = _Tiny()
+    assert "self._trainer" in inspect.getsource(type(module).trainer.fget), "attached_trainer(): _trainer moved"
+    assert pl_compat.attached_trainer(module) is None
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    module.trainer = trainer
+    assert pl_compat.attached_trainer(module) is trainer
+    with pl_compat.detached_from_trainer(module):
+        assert pl_compat.attached_trainer(module) is None
+    assert module.trainer is trainer
+
+
+def test_muted_log_shadows_and_restores_the_log_method() -> None:
+    module = _Tiny()
+    module.trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(Exception, match="self.log"):  # outside a loop Lightning refuses self.log
+        module.log("x", 1.0)
+    with pl_compat.muted_log(module):
+        module.log("x", 1.0)
+    assert "log" not in vars(module)
+
+
+def test_the_one_private_lightning_call_still_has_the_shape_it_was_written_against() -> None:
+    # run_before_step_hooks_and_clipping(): GuardedPrecision runs Lightning's on_before_optimizer_step hooks and
+    # clipping through Precision._after_closure(model, optimizer) (Lightning 2.6.6); a change must fail here, loudly
+    assert list(inspect.signature(Precision._after_closure).parameters) == ["self", "model", "optimizer"]
+    source = inspect.getsource(Precision._after_closure)
+    assert "on_before_optimizer_step" in source and "_clip_gradients" in source
+
+
+def test_lightning_optimizer_keeps_the_wrapped_optimizer() -> None:
+    # wrapped_optimizer(): .optimizer, else ._optimizer
+    inner = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    wrapper = LightningOptimizer(inner)
+    assert wrapper._optimizer is inner and pl_compat.wrapped_optimizer(wrapper) is inner
+    assert pl_compat.wrapped_optimizer(inner) is None
+
+
+def test_precision_plugin_is_a_property_with_a_setter() -> None:
+    # get_precision_plugin()/set_precision_plugin() call Strategy's property directly: nothing in between may
+    # override it
+    prop = inspect.getattr_static(Strategy, "precision_plugin")
+    assert isinstance(prop, property) and prop.fset is not None
+    for cls in DeepSpeedStrategy.__mro__[:DeepSpeedStrategy.__mro__.index(Strategy)]:
+        assert "precision_plugin" not in vars(cls), f"{cls.__name__} now overrides precision_plugin"
+
+
+def test_lightning_still_checks_cuda_in_setup_environment() -> None:
+    # setup_environment_as_ddp(): ZeroStrategy.setup_environment skips DeepSpeedStrategy's body by calling DDPStrategy's
+    source = inspect.getsource(DeepSpeedStrategy.setup_environment)
+    assert "CUDAAccelerator" in source and "super().setup_environment()" in source
+    assert DeepSpeedStrategy.__mro__[1] is DDPStrategy
+
+
+# ---------------------------------------------------------------------------------------------- compat.lightning_data
+def test_train_iterator_helpers_follow_lightnings_fit_loop(tmp_path):
+    # FaultTolerance rebuilds the training iterator when DeepSpeed restores the RNG states after it was made;
+    # this fails loudly if Lightning moves the fit loop's iterator (train_iterator_exists())
+    seen: dict[str, object] = {}
+
+    class Probe(Callback):
+        def setup(self, trainer, pl_module, stage):
+            seen["at setup"] = train_iterator_exists(trainer)
+
+        def on_train_start(self, trainer, pl_module):
+            seen["at train start"] = train_iterator_exists(trainer)
+            loader = trainer.fit_loop._data_fetcher.combined_loader
+            before = loader._iterator
+            recreate_train_iterator(trainer)
+            seen["rebuilt"] = loader._iterator is not before
+
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", callbacks=[Probe()], logger=False, max_steps=2, limit_val_batches=0,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(MLPClassifier(hidden=8, depth=1, optimizer=lambda p: torch.optim.SGD(p, lr=0.1)),
+                datamodule=DigitsDataModule(batch_size=32))
+    assert seen == {"at setup": False, "at train start": True, "rebuilt": True}
+    assert trainer.global_step == 2
+
+
+def test_fetcher_details_the_data_helpers_use() -> None:
+    # call_before_each_unsized_fetch(): the epoch loop hands _on_before_fetch to the fetcher
+    assert "self._on_before_fetch" in inspect.getsource(_TrainingEpochLoop), "_on_before_fetch moved"
+    assert "_data_fetcher" in inspect.getsource(_FitLoop.__init__) and "_data_source" in inspect.getsource(
+        _FitLoop.__init__), "fit_loop._data_fetcher / _data_source moved"
+    # prefetched_batches(), redraw_prefetched_batch(): the prefetching fetcher's queue and counter
+    fetcher = _PrefetchDataFetcher()
+    assert isinstance(fetcher.batches, list) and fetcher.fetched == 0 and fetcher.length is None
+    assert hasattr(fetcher, "iterator"), "train_iterator_exists(): _DataFetcher.iterator moved"
+    assert "self.fetched+=1" in _source(_DataFetcher.__next__) and "self.batches.pop(0)" in _source(
+        _PrefetchDataFetcher.__next__)
+
+
+def test_snapshot_runs_before_each_unsized_fetch_and_installs_once() -> None:
+    class Endless(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            while True:
+                yield torch.randn(4, generator=g), torch.randint(0, 2, (), generator=g)
+
+    calls: list[int] = []
+
+    class Install(Callback):
+        def on_train_start(self, trainer, pl_module):
+            for _ in range(2):  # the second install is refused: one wrapper per loop
+                call_before_each_unsized_fetch(trainer, lambda: calls.append(trainer.global_step))
+
+    _fit(_Tiny(), DataLoader(Endless(), batch_size=4), [Install()], max_steps=3)
+    # once per fetch after on_train_start (the first batch was prefetched before it), not twice
+    assert calls == [0, 1, 2]
+
+
+def test_auto_micro_batch_size_replaces_lightnings_private_hook() -> None:
+    # BatchSizeFromLoader overrides DeepSpeedStrategy._auto_select_batch_size and reads fit_loop._data_source
+    source = inspect.getsource(DeepSpeedStrategy._format_batch_size_and_grad_accum_config)
+    assert "self._auto_select_batch_size()" in source, "ZeroStrategy._auto_select_batch_size is no longer called"
+    assert "fit_loop._data_source" in inspect.getsource(DeepSpeedStrategy._auto_select_batch_size)
+    assert "_auto_select_batch_size" in vars(ds_compat.BatchSizeFromLoader)
+
+
+# ---------------------------------------------------------------------------------------------- compat.deepspeed
+def test_init_deepspeed_distributed_helper_target_exists() -> None:
+    source = inspect.getsource(DeepSpeedStrategy._init_deepspeed_distributed)
+    assert "deepspeed.init_distributed" in source, "init_deepspeed_distributed(): Lightning changed the method"
+
+
+def test_lightning_still_passes_the_device_index_as_device_rank() -> None:
+    # intercept_deepspeed_initialize()/with_device_rank() amend exactly this call
+    for method in (DeepSpeedStrategy._setup_model_and_optimizer, DeepSpeedStrategy._initialize_deepspeed_inference):
+        source = inspect.getsource(method)
+        assert "deepspeed.initialize(" in source and "device_rank=self.root_device.index" in source, method
+        assert "import deepspeed" in source, "the patch relies on a function-local `import deepspeed`"
+
+
+def test_shm_patch_reaches_the_module_deepspeed_calls_and_is_scoped() -> None:
+    module = importlib.import_module("deepspeed.comm.torch")
+    assert "build_shm_op()" in inspect.getsource(module.TorchBackend.__init__), "shm_comm_build_skipped(): target moved"
+    original = module.build_shm_op
+    try:
+        with ds_compat.shm_comm_build_skipped():
+            assert module.build_shm_op() is None
+        assert module.build_shm_op is original, "shm_comm_build_skipped() must restore DeepSpeed's build_shm_op"
+    finally:
+        module.build_shm_op = original
+
+
+def test_intercept_amends_device_rank_and_restores_deepspeed_initialize() -> None:
+    import deepspeed
+
+    original = deepspeed.initialize
+    seen = {}
+
+    def adjust(kwargs):
+        seen.update(ds_compat.with_device_rank(kwargs, 3))
+        raise RuntimeError("stop before the engine is built")
+
+    with ds_compat.intercept_deepspeed_initialize(adjust), pytest.raises(RuntimeError, match="stop before"):
+        deepspeed.initialize(args=argparse.Namespace(device_rank=None), config={})
+    assert seen["args"].device_rank == 3
+    assert deepspeed.initialize is original
+    kept = ds_compat.with_device_rank({"args": argparse.Namespace(device_rank=0)}, 3)
+    assert kept["args"].device_rank == 0  # a real device index (CUDA) is left alone
+
+
+# ---------------------------------------------------------------------------------------------- compat.torch
+def test_foreach_ops_exist_and_act_in_place() -> None:
+    a, b = torch.ones(3), torch.full((2,), 2.0)
+    torch_compat.foreach_mul_([a, b], 3.0)
+    assert a.tolist() == [3.0] * 3 and b.tolist() == [6.0] * 2
+    target = torch.zeros(2, dtype=torch.bfloat16)
+    torch_compat.foreach_copy_([target], [torch.tensor([1.5, -2.0])])
+    assert target.dtype == torch.bfloat16 and target.tolist() == [1.5, -2.0]
+
+
+def test_mkldnn_bf16_check_is_still_an_op() -> None:
+    # cpu_has_native_bf16(): torch.ops.mkldnn._is_mkldnn_bf16_supported (a build without mkldnn answers False)
+    if torch.backends.mkldnn.is_available():
+        assert isinstance(torch.ops.mkldnn._is_mkldnn_bf16_supported(), bool)
+    assert torch_compat.cpu_has_native_bf16() in (True, False)
+
+
+def test_pytree_and_dispatch_mode_names() -> None:
+    # tree_leaves/tree_map (torch.utils._pytree) and TorchDispatchMode (torch.utils._python_dispatch)
+    nested = {"a": (torch.ones(1), [torch.zeros(2)]), "b": 3}
+    assert [t.numel() for t in torch_compat.tree_leaves(nested) if isinstance(t, torch.Tensor)] == [1, 2]
+    doubled = torch_compat.tree_map(lambda v: v * 2 if isinstance(v, torch.Tensor) else v, nested)
+    assert doubled["a"][0].item() == 2.0 and doubled["b"] == 3
+    assert inspect.isclass(torch_compat.TorchDispatchMode) and hasattr(torch_compat.TorchDispatchMode, "__enter__")
+
+
+def test_in_place_compile_uses_compiled_call_impl() -> None:
+    # is_compiled()/uncompile(): nn.Module.compile() sets the private `_compiled_call_impl`
+    module = nn.Linear(2, 2)
+    assert module._compiled_call_impl is None and not torch_compat.is_compiled(module)
+    module.compile(backend="eager")
+    assert module._compiled_call_impl is not None and torch_compat.is_compiled(module)
+    torch_compat.uncompile(module)
+    assert not torch_compat.is_compiled(module)
+
+
+def test_torch_compile_returns_the_optimized_module_wrapper() -> None:
+    # is_compiled_wrapper(): torch._dynamo.eval_frame.OptimizedModule
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    wrapped = torch.compile(nn.Linear(2, 2), backend="eager")
+    assert isinstance(wrapped, OptimizedModule) and torch_compat.is_compiled_wrapper(wrapped)
+    assert not torch_compat.is_compiled_wrapper(nn.Linear(2, 2))
