@@ -14,6 +14,8 @@ through the public names of ``lit_speed/__init__.py`` or one of these shared mod
 (``tests/test_architecture.py`` checks it; keep ``SHARED_MODULES`` there in step with this list):
 
 * ``lit_speed.interfaces`` - these protocols.
+* ``lit_speed.run_contract`` - the protocols through which components report to the Hydra runner (start-up rows,
+  end-of-run summaries, workload extras).
 * ``lit_speed.compat`` (package) - every access to a private Lightning/DeepSpeed/torch name.
 * ``lit_speed.tables`` - the start-up and end-of-run tables.
 * ``lit_speed.run_summary`` - the run summary callback and its batch-size and peak-memory helpers.

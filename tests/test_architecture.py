@@ -25,6 +25,7 @@ COMPAT = "lit_speed.compat"
 #: Modules every component may import (besides ``lit_speed``'s public names); see ``lit_speed/interfaces.py``.
 SHARED_MODULES = (
     "lit_speed.interfaces",   # the protocols components talk through
+    "lit_speed.run_contract",  # the protocols components report to the runner through
     "lit_speed.compat",       # the one door to private Lightning/DeepSpeed/torch names (a package)
     "lit_speed.tables",       # start-up and end-of-run tables
     "lit_speed.run_summary",  # the run summary and its batch-size / peak-memory helpers
@@ -139,7 +140,7 @@ def test_no_private_access_outside_compat() -> None:
     found = [line for name, path in _modules().items() if _outside_compat(name)
              for line in private_accesses(path.read_text(), str(path.relative_to(ROOT.parent)))]
     assert not found, ("private names touched outside lit_speed/compat/ (move each into a documented compat helper "
-                       "and pin it in tests/test_compat.py):\n" + "\n".join(found))
+                       "and pin it in tests/compat/test_compat.py):\n" + "\n".join(found))
 
 
 def test_no_private_override_of_a_library_method_outside_compat() -> None:

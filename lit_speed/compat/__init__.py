@@ -1,7 +1,7 @@
 """The one door to private Lightning, DeepSpeed and torch names: every access lit_speed makes to one is here.
 
 Nothing else in ``lit_speed`` reads, writes, imports or overrides a private name of these libraries
-(``tests/test_architecture.py`` scans for it); ``tests/test_compat.py`` pins every name used here and fails
+(``tests/test_architecture.py`` scans for it); ``tests/compat/test_compat.py`` pins every name used here and fails
 naming the one that moved. After upgrading a library, run that file, then re-read the helpers it names.
 
 Modules, by library (each function states the version it was written against):

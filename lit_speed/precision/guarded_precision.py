@@ -394,7 +394,7 @@ def _before_step_hooks_and_clipping(plugin: Precision, model: "pl.LightningModul
     """``on_before_optimizer_step`` hooks, then gradient clipping (on the unscaled gradients here).
 
     The one private Lightning call of this plugin, made in
-    :func:`lit_speed.compat.lightning.run_before_step_hooks_and_clipping`; ``tests/test_compat.py`` checks its
+    :func:`lit_speed.compat.lightning.run_before_step_hooks_and_clipping`; ``tests/compat/test_compat.py`` checks its
     signature so a Lightning change fails loudly rather than skipping hooks or clipping.
     """
     pl_compat.run_before_step_hooks_and_clipping(plugin, model, optimizer)
