@@ -57,8 +57,8 @@ def compile_modules(root: nn.Module, regional: bool = True, modules: Sequence[st
         return [""]
     classes = tuple(resolve_module_types(modules, root) if modules else repeated_block_types(root))
     if not classes:
-        raise ValueError(f"compile.regional=true but {type(root).__name__} has no repeated block type; "
-                         f"name one with compile.modules=[...] or set compile.regional=false")
+        raise ValueError(f"compile_modules(regional=True): {type(root).__name__} has no repeated block type; "
+                         f"name one with modules=[...] or set regional=False")
     names = []
     for name, module in root.named_modules():
         if module is not root and isinstance(module, classes):
@@ -101,7 +101,7 @@ class CompileModel(Callback):
     def __init__(self, mode: str = "default", regional: bool = True, modules: Sequence[str] | None = None,
                  backend: str = "inductor", dynamic: bool | None = None, fullgraph: bool = False) -> None:
         if mode not in MODES:
-            raise ValueError(f"compile.mode must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"CompileModel(mode={mode!r}): mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.regional = bool(regional)
         self.modules = list(modules) if modules else None
