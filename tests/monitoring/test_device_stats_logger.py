@@ -258,7 +258,7 @@ def test_default_config_runs_it_and_writes_the_verdict(make_cfg, tmp_path):
 
 @pytest.mark.slow
 def test_ddp_two_processes_log_on_rank_zero_with_per_rank_memory(tmp_path):
-    from conftest import run_train_script
+    from tests.helpers.repo import run_train_script
 
     proc = run_train_script(["trainer=ddp_cpu", "strategy=ddp", "trainer.max_epochs=1", "trainer.limit_train_batches=6",
                              "trainer.limit_val_batches=1", "trainer.log_every_n_steps=2", "validate=false",
