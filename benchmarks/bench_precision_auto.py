@@ -56,40 +56,45 @@ def main() -> None:
     parser.add_argument("--experiment", default="charlm_fast")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset of: " + ", ".join(VARIANTS) + " (at least one fixed mode)")
     args = parser.parse_args()
+    variants = tuple(v.strip() for v in args.variants.split(","))
+    if set(variants) - set(VARIANTS) or not set(variants) & set(FIXED):
+        parser.error(f"--variants: choose from {', '.join(VARIANTS)}, with at least one of {', '.join(FIXED)}")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
         run("auto (cached)", args, Path(tmp) / "fill", cache)  # writes the timing cache; not counted
-        runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
         for r in range(args.rounds):
-            for v in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
+            for v in variants[r % len(variants):] + variants[:r % len(variants)]:
                 runs[v].append(run(v, args, Path(tmp) / f"{r}-{re.sub(r'[^a-z0-9-]+', '_', v)}", cache))
                 print(f"round {r} {v:14s} {runs[v][-1]['wall_s']:6.1f} s wall, fit {runs[v][-1]['fit_s']:6.1f} s "
                       f"({runs[v][-1]['mode']})", flush=True)
     load_after = os.getloadavg()
-    med = {v: {k: statistics.median(x[k] for x in runs[v]) for k in ("wall_s", "fit_s")} for v in VARIANTS}
+    med = {v: {k: statistics.median(x[k] for x in runs[v]) for k in ("wall_s", "fit_s")} for v in variants}
+    autos = [v for v in ("auto (cold)", "auto (cached)") if v in variants]
     ratios = {}
     for clock in ("wall_s", "fit_s"):
-        fastest = min(FIXED, key=lambda m: med[m][clock])
-        ratios[clock] = {"fastest_fixed": fastest, **{v: round(med[v][clock] / med[fastest][clock], 3)
-                                                      for v in ("auto (cold)", "auto (cached)")}}
+        fastest = min((m for m in FIXED if m in variants), key=lambda m: med[m][clock])
+        ratios[clock] = {"fastest_fixed": fastest, **{v: round(med[v][clock] / med[fastest][clock], 3) for v in autos}}
     print(f"\n{'variant':15s} {'wall s (median)':>16s} {'fit s (median)':>15s}  modes chosen")
-    for v in VARIANTS:
+    for v in variants:
         print(f"{v:15s} {med[v]['wall_s']:16.1f} {med[v]['fit_s']:15.1f}  {', '.join(x['mode'] for x in runs[v])}")
     for clock, r in ratios.items():
-        print(f"{clock}: fastest fixed mode {r['fastest_fixed']}; auto cold x{r['auto (cold)']:.3f}, "
-              f"auto cached x{r['auto (cached)']:.3f} (goal <= x1.05)")
+        shown = ", ".join(f"{v} x{r[v]:.3f}" for v in autos)
+        print(f"{clock}: fastest fixed mode {r['fastest_fixed']}; {shown} (goal <= x1.05)")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     results = {"args": vars(args), "runs": runs, "median": med, "ratios": ratios,
                "load_before": load_before, "load_after": load_after}
     w = ratios["wall_s"]
+    fixed = ", ".join(f"{m} {med[m]['wall_s']:.1f}" for m in FIXED if m in variants)
+    shown = "; ".join(f"{v} x{w[v]:.3f} wall / x{ratios['fit_s'][v]:.3f} fit (chose "
+                      f"{', '.join(x['mode'] for x in runs[v])})" for v in autos)
     write_result("precision_auto", results,
                  f"precision=auto on {args.experiment}, {args.steps} steps, {args.rounds} rounds, launch-to-exit "
-                 f"median: fastest fixed {w['fastest_fixed']} {med[w['fastest_fixed']]['wall_s']:.1f} s; auto cold "
-                 f"x{w['auto (cold)']:.3f} (chose {', '.join(x['mode'] for x in runs['auto (cold)'])}), auto cached "
-                 f"x{w['auto (cached)']:.3f}; fit-only x{ratios['fit_s']['auto (cold)']:.3f}/"
-                 f"x{ratios['fit_s']['auto (cached)']:.3f}; load {load_before[0]:.1f} -> {load_after[0]:.1f}")
+                 f"medians: {fixed} s; {shown}; load {load_before[0]:.1f} -> {load_after[0]:.1f}")
 
 
 if __name__ == "__main__":
