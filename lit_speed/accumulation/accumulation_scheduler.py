@@ -11,21 +11,13 @@ from typing_extensions import override
 
 from lit_speed.accumulation import micro_batch as mb
 from lit_speed.accumulation.schedule import (LR_SCALINGS, RAMPS, UNITS, check_choice, check_divisible,
-                                             factor_at, factor_for_effective_batch, lr_scale, validate_schedule,
-                                             value_at)
+                                             checked_argument, factor_at, factor_for_effective_batch, lr_scale,
+                                             validate_schedule, value_at)
 from lit_speed.accumulation.window import (NORMALIZE, batch_samples, count_items, count_tokens, scale_gradients,
                                            split_batch, window_scale)
 from lit_speed.compat import lightning as pl_compat
 from lit_speed.interfaces import AccumulationFollower
 from lit_speed.step_logging import log_step_metrics
-
-
-def _checked(arg: str, value: Any, check: Callable[..., Any], *args: Any) -> Any:
-    """``check(value, *args, arg)``; its ValueError says which constructor argument it is about."""
-    try:
-        return check(value, *args, arg)
-    except ValueError as error:
-        raise ValueError(f"AccumulationScheduler({arg}={value!r}): {error}") from error
 
 
 class AccumulationScheduler(Callback):
@@ -71,13 +63,13 @@ class AccumulationScheduler(Callback):
             raise ValueError(f"AccumulationScheduler(factors={factors!r}): give exactly one of factors={{0: 4, ...}} "
                              f"or effective_batch={{0: 256, ...}}, got factors={factors!r}, "
                              f"effective_batch={effective_batch!r}")
-        self.factors = _checked("factors", factors, validate_schedule) if factors is not None else None
-        self.effective_batch = (_checked("effective_batch", effective_batch, validate_schedule)
+        self.factors = checked_argument("factors", factors, validate_schedule) if factors is not None else None
+        self.effective_batch = (checked_argument("effective_batch", effective_batch, validate_schedule)
                                 if effective_batch is not None else None)
-        self.unit = _checked("unit", unit, check_choice, UNITS)
-        self.ramp = _checked("ramp", ramp, check_choice, RAMPS)
-        self.normalize = _checked("normalize", normalize, check_choice, NORMALIZE)
-        self.lr_scaling = _checked("lr_scaling", lr_scaling, check_choice, LR_SCALINGS)
+        self.unit = checked_argument("unit", unit, check_choice, UNITS)
+        self.ramp = checked_argument("ramp", ramp, check_choice, RAMPS)
+        self.normalize = checked_argument("normalize", normalize, check_choice, NORMALIZE)
+        self.lr_scaling = checked_argument("lr_scaling", lr_scaling, check_choice, LR_SCALINGS)
         if micro_batch is not None and micro_batch != "auto" and (not isinstance(micro_batch, int) or micro_batch < 1):
             raise ValueError(f"AccumulationScheduler(micro_batch={micro_batch!r}): micro_batch must be an int >= 1, "
                              f"'auto' or None, got {micro_batch!r}")
@@ -216,7 +208,7 @@ class AccumulationScheduler(Callback):
                                  f"{self.micro_batch} but the train DataLoader yields "
                                  f"batches of {self._loader_batch}; use micro_batch=null")
             if self.effective_batch is not None and self.ramp == "step":
-                _checked("effective_batch", self.effective_batch, check_divisible, self._loader_batch,
+                checked_argument("effective_batch", self.effective_batch, check_divisible, self._loader_batch,
                          trainer.world_size)
         position = self._position(trainer)
         if self.factors is not None:

@@ -7,7 +7,7 @@ summed over processes). Nothing here touches Lightning, so every rule is testabl
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 UNITS = ("step", "epoch", "samples", "tokens")
 RAMPS = ("step", "linear")
@@ -134,3 +134,11 @@ def check_choice(value: str, allowed: tuple[str, ...], name: str) -> str:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     return value
+
+
+def checked_argument(arg: str, value: Any, check: Callable[..., Any], *args: Any) -> Any:
+    """``check(value, *args, arg)``; its ValueError says which AccumulationScheduler argument it is about."""
+    try:
+        return check(value, *args, arg)
+    except ValueError as error:
+        raise ValueError(f"AccumulationScheduler({arg}={value!r}): {error}") from error

@@ -246,7 +246,9 @@ class GuardedPrecision(Precision):
             return closure_result
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)  # clipping and hooks see true gradients; the step below too
-        _before_step_hooks_and_clipping(self, model, optimizer)
+        # on_before_optimizer_step hooks, then clipping on the unscaled gradients (Lightning's private
+        # Precision._after_closure, through lit_speed.compat and pinned by tests/compat/test_compat.py)
+        pl_compat.run_before_step_hooks_and_clipping(self, model, optimizer)
         grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
         loss_finite = self._loss_finite if self._loss_finite is not None else torch.tensor(True)
         flags = torch.stack([loss_finite.cpu(), all_finite(grads).cpu()]).tolist()  # the one host sync
@@ -390,21 +392,6 @@ class GuardedPrecision(Precision):
                 "loss_scale": self.metrics()["precision/loss_scale"]}
 
 
-def _before_step_hooks_and_clipping(plugin: Precision, model: "pl.LightningModule", optimizer: Any) -> None:
-    """``on_before_optimizer_step`` hooks, then gradient clipping (on the unscaled gradients here).
-
-    The one private Lightning call of this plugin, made in
-    :func:`lit_speed.compat.lightning.run_before_step_hooks_and_clipping`; ``tests/compat/test_compat.py`` checks its
-    signature so a Lightning change fails loudly rather than skipping hooks or clipping.
-    """
-    pl_compat.run_before_step_hooks_and_clipping(plugin, model, optimizer)
-
-
 def _trainer_of(module: nn.Module) -> "pl.Trainer | None":
-    if not isinstance(module, pl.LightningModule):
-        return None
-    try:
-        return module.trainer
-    except RuntimeError:  # not attached to a Trainer (used outside fit/validate)
-        return None
-
+    """The Trainer ``module`` is attached to; ``None`` outside fit/validate or for a plain ``nn.Module``."""
+    return pl_compat.attached_trainer(module) if isinstance(module, pl.LightningModule) else None
