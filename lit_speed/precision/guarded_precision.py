@@ -134,8 +134,8 @@ class GuardedPrecision(Precision):
         if not self._resolved:
             strategy = trainer.strategy if trainer is not None else None
             if trainer is not None and trainer.world_size > 1:  # rank 0 decides (and times) for every process
-                decided = self._resolve(self.device_type, probe=trainer.global_rank == 0, module=module,
-                                        strategy=strategy) if trainer.global_rank == 0 else None
+                decided = self._resolve(self.device_type, probe=True, module=module, strategy=strategy) \
+                    if trainer.global_rank == 0 else None
                 self.mode, self.reason = trainer.strategy.broadcast(decided, src=0)
             else:
                 self.mode, self.reason = self._resolve(self.device_type, probe=True, module=module,
@@ -368,8 +368,9 @@ class GuardedPrecision(Precision):
     def describe(self) -> dict[str, str]:
         """Rows for the start-up table (before setup, ``auto`` shows the probe's guess and what setup will time)."""
         if self.requested_mode == "auto" and not self._resolved:
-            self.mode, self.reason = self._resolve("cuda" if torch.cuda.is_available() else "cpu", probe=True)
-            if self.mode != "32-true" and "cuda" not in self.reason.lower():
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+            self.mode, self.reason = self._resolve(device_type, probe=True)
+            if device_type == "cpu" and self.mode != "32-true":  # _resolve times the candidates on CPU only
                 self.reason += f"; setup times {', '.join(modes.TIMED_CANDIDATES)} on this model's step and keeps " \
                                f"the fastest"
         scaler = ", ".join(f"{k}={v:g}" for k, v in self.scaler_config.items())

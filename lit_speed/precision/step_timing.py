@@ -38,7 +38,7 @@ from lit_speed.precision.master_weights import MasterWeights
 MIN_GAIN = 0.05
 #: Bumped when the timing procedure changes, so older cached timings are not reused.
 PROCEDURE = 2
-_CACHE: dict[str, dict[str, float | None]] = {}
+_CACHE: dict[str, dict[str, Any]] = {}  # cache key -> {"times": ..., "when": date or None}
 
 
 def _loss_of(module: nn.Module, batch: Any) -> torch.Tensor:
@@ -58,21 +58,26 @@ def time_modes(module: nn.Module, batch: Any, modes: Sequence[str], steps: int =
     of one timed step per mode run until ``steps`` rounds are done or ``budget_s`` is spent (at least two
     rounds). ``use_disk_cache`` (default: unless ``LIT_SPEED_AUTO_CACHE=0``) reads and writes the on-disk cache.
     """
+    return _timings(module, batch, modes, steps, budget_s, loss_fn, use_disk_cache)[0]
+
+
+def _timings(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 8, budget_s: float = 1.5,
+             loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _loss_of, use_disk_cache: bool | None = None
+             ) -> tuple[dict[str, float | None], str | None]:
+    """:func:`time_modes`, and the date the timings were taken when they came from the on-disk cache."""
     key = cache_key(module, batch, modes)
-    if key in _CACHE:
-        return dict(_CACHE[key])
-    disk = cache_file() if (use_disk_cache if use_disk_cache is not None else _disk_cache_enabled()) else None
-    cached = _read_disk(disk).get(key) if disk is not None else None
-    if cached is not None:
-        _CACHE[key] = dict(cached["times"])
-        return dict(cached["times"])
-    with torch.random.fork_rng(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log() outside a loop warns
-        results = _time_interleaved(_detached_copy(module), batch, modes, steps, budget_s, loss_fn)
-    _CACHE[key] = dict(results)
-    if disk is not None:
-        _write_disk(disk, key, results)
-    return results
+    if key not in _CACHE:
+        disk = cache_file() if (use_disk_cache if use_disk_cache is not None else _disk_cache_enabled()) else None
+        entry = _read_disk(disk).get(key) if disk is not None else None
+        if entry is None:
+            with torch.random.fork_rng(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # self.log() outside a loop warns
+                times = _time_interleaved(_detached_copy(module), batch, modes, steps, budget_s, loss_fn)
+            entry = {"times": times, "when": None}  # timed in this process: not from the cache
+            if disk is not None:
+                _write_disk(disk, key, times)
+        _CACHE[key] = entry
+    return dict(_CACHE[key]["times"]), _CACHE[key].get("when")
 
 
 def cached_when(module: nn.Module, batch: Any, modes: Sequence[str]) -> str | None:
@@ -165,8 +170,8 @@ def auto_mode_for(module: nn.Module, candidates: Sequence[str]) -> tuple[str, st
         batch = next(iter(datamodule.train_dataloader()))
     if hasattr(datamodule, "on_after_batch_transfer"):
         batch = datamodule.on_after_batch_transfer(batch, 0)
-    when = cached_when(module, batch, candidates)
-    mode, reason = choose_by_timing(time_modes(module, batch, candidates))
+    times, when = _timings(module, batch, candidates)
+    mode, reason = choose_by_timing(times)
     if when is not None:
         reason = reason.replace("on one micro-batch", f"on one micro-batch (cached {when} in {cache_file()})", 1)
     return mode, reason

@@ -75,6 +75,7 @@ def test_timings_are_cached_on_disk_and_reused_without_timing(cache_dir: Path, m
     monkeypatch.setattr(step_timing, "_time_interleaved", no_timing)
     assert step_timing.time_modes(module, batch, MODES) == times
     assert step_timing.cached_when(module, batch, MODES) is not None
+    assert step_timing._timings(module, batch, MODES) == (times, step_timing.cached_when(module, batch, MODES))
     with pytest.raises(AssertionError, match="timed again"):  # another batch shape is another entry
         step_timing.time_modes(module, torch.ones(2, 8), MODES)
 
