@@ -34,10 +34,12 @@ from torch import nn
 from lit_speed.compat import lightning as pl_compat
 from lit_speed.precision.master_weights import MasterWeights
 
-#: A low-precision mode must beat 32-true by this fraction to be chosen (timing noise on a shared machine).
-MIN_GAIN = 0.05
+#: A low-precision mode must beat 32-true by this fraction to be chosen. It is also the most a wrong keep of
+#: 32-true can cost: at 0.05, 5 of 20 cold decisions on charlm_fast kept 32-true while bf16-master was 6.6%
+#: faster; at 0.02 the worst of 25 decisions cost 1.9% (benchmarks/bench_auto_decision.py, LOG.md 2026-11-23).
+MIN_GAIN = 0.02
 #: Bumped when the timing procedure changes, so older cached timings are not reused.
-PROCEDURE = 2
+PROCEDURE = 3
 _CACHE: dict[str, dict[str, Any]] = {}  # cache key -> {"times": ..., "when": date or None}
 
 
@@ -47,7 +49,7 @@ def _loss_of(module: nn.Module, batch: Any) -> torch.Tensor:
     return out["loss"] if isinstance(out, dict) else out
 
 
-def time_modes(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 8, budget_s: float = 1.5,
+def time_modes(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 12, budget_s: float = 1.5,
                loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _loss_of,
                use_disk_cache: bool | None = None) -> dict[str, float | None]:
     """Median seconds of a forward+backward+AdamW step of a copy of ``module`` on ``batch`` in each mode.
@@ -61,7 +63,7 @@ def time_modes(module: nn.Module, batch: Any, modes: Sequence[str], steps: int =
     return _timings(module, batch, modes, steps, budget_s, loss_fn, use_disk_cache)[0]
 
 
-def _timings(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 8, budget_s: float = 1.5,
+def _timings(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 12, budget_s: float = 1.5,
              loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _loss_of, use_disk_cache: bool | None = None
              ) -> tuple[dict[str, float | None], str | None]:
     """:func:`time_modes`, and the date the timings were taken when they came from the on-disk cache."""
