@@ -10,8 +10,10 @@ fastest, and keeps ``32-true`` unless a low-precision mode is clearly faster.
 The timings are cached per model class, parameter count and dtype, batch shapes, device, CPU/GPU model,
 thread count and torch version: in the process, and on disk (``$LIT_SPEED_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/lit_speed`` or ``~/.cache/lit_speed``, file ``precision_auto.json``), so a repeated run on
-the same machine decides in no time and decides the same way. ``LIT_SPEED_AUTO_CACHE=0`` times afresh
-(and does not write); deleting the file does too.
+the same machine decides in no time and decides the same way. One exception: a decision that kept ``32-true``
+although a low-precision mode timed faster (inside the margin) is timed again by the next runs, their rounds
+pooled with the cached ones, until :data:`SETTLE_ROUNDS` rounds per mode are in: a noisy first second must not
+decide for good. ``LIT_SPEED_AUTO_CACHE=0`` times afresh (and does not write); deleting the file does too.
 """
 from __future__ import annotations
 
@@ -38,8 +40,12 @@ from lit_speed.precision.master_weights import MasterWeights
 #: 32-true can cost: at 0.05, 5 of 20 cold decisions on charlm_fast kept 32-true while bf16-master was 6.6%
 #: faster; at 0.02 the worst of 25 decisions cost 1.9% (benchmarks/bench_auto_decision.py, LOG.md 2026-11-23).
 MIN_GAIN = 0.02
+#: An undecided entry (32-true kept although a low-precision mode timed faster, inside the margin) is timed
+#: again by the next runs, pooling their rounds, until it holds this many rounds per mode: a first decision made
+#: in a noisy second is not cached for good.
+SETTLE_ROUNDS = 36
 #: Bumped when the timing procedure changes, so older cached timings are not reused.
-PROCEDURE = 3
+PROCEDURE = 4
 _CACHE: dict[str, dict[str, Any]] = {}  # cache key -> {"times": ..., "when": date or None}
 
 
@@ -66,20 +72,47 @@ def time_modes(module: nn.Module, batch: Any, modes: Sequence[str], steps: int =
 def _timings(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 12, budget_s: float = 1.5,
              loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _loss_of, use_disk_cache: bool | None = None
              ) -> tuple[dict[str, float | None], str | None]:
-    """:func:`time_modes`, and the date the timings were taken when they came from the on-disk cache."""
+    """:func:`time_modes`, and the date the timings were taken when they came from the on-disk cache.
+
+    An entry that is not settled (:func:`settled`) is timed again and the new rounds pooled with the cached ones.
+    """
     key = cache_key(module, batch, modes)
     if key not in _CACHE:
         disk = cache_file() if (use_disk_cache if use_disk_cache is not None else _disk_cache_enabled()) else None
         entry = _read_disk(disk).get(key) if disk is not None else None
-        if entry is None:
+        if entry is None or not settled(entry):
             with torch.random.fork_rng(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # self.log() outside a loop warns
-                times = _time_interleaved(_detached_copy(module), batch, modes, steps, budget_s, loss_fn)
-            entry = {"times": times, "when": None}  # timed in this process: not from the cache
+                samples = _sample_interleaved(_detached_copy(module), batch, modes, steps, budget_s, loss_fn)
+            samples = _pool(entry.get("samples") if entry else None, samples)
+            entry = {"times": _medians(samples), "samples": samples, "when": None}  # timed in this process
             if disk is not None:
-                _write_disk(disk, key, times)
+                _write_disk(disk, key, entry["times"], samples)
         _CACHE[key] = entry
     return dict(_CACHE[key]["times"]), _CACHE[key].get("when")
+
+
+def settled(entry: dict[str, Any]) -> bool:
+    """Whether a cached entry decides for good: clear, or pooled over :data:`SETTLE_ROUNDS` rounds per mode."""
+    samples = entry.get("samples") or {}
+    rounds = min((len(v) for v in samples.values() if v), default=0)
+    times = {m: t for m, t in entry.get("times", {}).items() if t is not None}
+    base = times.get("32-true")
+    undecided = base is not None and choose_by_timing(times)[0] == "32-true" and min(times.values()) < base
+    return not undecided or rounds >= SETTLE_ROUNDS
+
+
+def _pool(cached: dict[str, list[float] | None] | None, new: dict[str, list[float] | None]
+          ) -> dict[str, list[float] | None]:
+    """The cached rounds and this run's, per mode; a mode that went non-finite in either stays ``None``."""
+    if not cached:
+        return new
+    return {m: (None if cached.get(m) is None or new[m] is None else list(cached[m]) + list(new[m]))  # type: ignore[operator]
+            for m in new}
+
+
+def _medians(samples: dict[str, list[float] | None]) -> dict[str, float | None]:
+    return {m: (statistics.median(v) if v else None) for m, v in samples.items()}
 
 
 def cached_when(module: nn.Module, batch: Any, modes: Sequence[str]) -> str | None:
@@ -128,6 +161,13 @@ class _ModeRun:
 
 def _time_interleaved(base: nn.Module, batch: Any, modes: Sequence[str], steps: int, budget_s: float,
                       loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> dict[str, float | None]:
+    """Median step seconds per mode (``None``: the mode's loss was not finite or it could not run)."""
+    return _medians(_sample_interleaved(base, batch, modes, steps, budget_s, loss_fn))
+
+
+def _sample_interleaved(base: nn.Module, batch: Any, modes: Sequence[str], steps: int, budget_s: float,
+                        loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> dict[str, list[float] | None]:
+    """Every timed step's seconds per mode, in round order (``None`` as in :func:`_time_interleaved`)."""
     deadline = time.perf_counter() + budget_s
     runs: dict[str, _ModeRun | None] = {}
     for mode in modes:
@@ -145,7 +185,7 @@ def _time_interleaved(base: nn.Module, batch: Any, modes: Sequence[str], steps: 
             run = runs[mode]
             assert run is not None
             run.times.append(run.step(batch))
-    return {m: (statistics.median(runs[m].times) if runs[m] is not None and runs[m].finite else None)  # type: ignore[union-attr]
+    return {m: (list(runs[m].times) if runs[m] is not None and runs[m].finite else None)  # type: ignore[union-attr]
             for m in modes}
 
 
@@ -227,11 +267,12 @@ def _read_disk(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_disk(path: Path, key: str, times: dict[str, float | None]) -> None:
+def _write_disk(path: Path, key: str, times: dict[str, float | None],
+                samples: dict[str, list[float] | None] | None = None) -> None:
     """Add one entry; atomic (write a sibling, then rename), and never fatal: a cache is only a shortcut."""
     try:
         data = _read_disk(path)
-        data[key] = {"times": times, "when": dt.date.today().isoformat()}
+        data[key] = {"times": times, "samples": samples, "when": dt.date.today().isoformat()}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))

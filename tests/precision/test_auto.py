@@ -60,6 +60,7 @@ def test_rounds_interleave_the_modes_in_a_rotating_order_within_the_budget(monke
 
 def test_timings_are_cached_on_disk_and_reused_without_timing(cache_dir: Path, monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
+    monkeypatch.setattr(step_timing, "SETTLE_ROUNDS", 2)  # settled whatever this tiny model's timings say
     module, batch = Tiny(), torch.ones(4, 8)
     times = step_timing.time_modes(module, batch, MODES, steps=2)
     entry = json.loads((cache_dir / "precision_auto.json").read_text())
@@ -72,12 +73,54 @@ def test_timings_are_cached_on_disk_and_reused_without_timing(cache_dir: Path, m
     def no_timing(*args, **kwargs):
         raise AssertionError("timed again although the disk cache holds this model, batch and machine")
 
-    monkeypatch.setattr(step_timing, "_time_interleaved", no_timing)
+    monkeypatch.setattr(step_timing, "_sample_interleaved", no_timing)
     assert step_timing.time_modes(module, batch, MODES) == times
     assert step_timing.cached_when(module, batch, MODES) is not None
     assert step_timing._timings(module, batch, MODES) == (times, step_timing.cached_when(module, batch, MODES))
     with pytest.raises(AssertionError, match="timed again"):  # another batch shape is another entry
         step_timing.time_modes(module, torch.ones(2, 8), MODES)
+
+
+def _timer_returning(rounds: list[dict[str, list[float]]], calls: list[int]):
+    """A stand-in for the interleaved timer: each call returns the next run's samples and counts itself."""
+    def sample(base, batch, modes, steps, budget_s, loss_fn):
+        calls.append(1)
+        return {m: (None if rounds[len(calls) - 1][m] is None else list(rounds[len(calls) - 1][m])) for m in modes}
+    return sample
+
+
+@pytest.mark.parametrize("bf16_ms, timings_expected", [(9.9, 2), (5.0, 1)], ids=["inside-the-margin", "clear"])
+def test_an_undecided_choice_is_timed_again_by_the_next_runs_until_settled(
+        cache_dir: Path, monkeypatch: pytest.MonkeyPatch, bf16_ms: float, timings_expected: int) -> None:
+    """bf16-master 1% faster keeps 32-true but is re-timed (rounds pooled) until SETTLE_ROUNDS; 50% faster settles."""
+    monkeypatch.setattr(step_timing, "SETTLE_ROUNDS", 6)
+    run = {"32-true": [0.010] * 3, "bf16-master": [bf16_ms / 1000] * 3, "bf16-mixed": [0.011] * 3}
+    calls: list[int] = []
+    monkeypatch.setattr(step_timing, "_sample_interleaved", _timer_returning([run] * 5, calls))
+    module, batch = Tiny(), torch.ones(4, 8)
+    for _ in range(4):  # four runs, each a new process
+        monkeypatch.setattr(step_timing, "_CACHE", {})
+        times, when = step_timing._timings(module, batch, MODES)
+    assert len(calls) == timings_expected  # inside the margin: 3 + 3 rounds pooled = settled; clear: once
+    entry = next(iter(json.loads((cache_dir / "precision_auto.json").read_text()).values()))
+    assert len(entry["samples"]["32-true"]) == 3 * timings_expected
+    assert when is not None and step_timing.settled(entry)
+    assert step_timing.choose_by_timing(times)[0] == ("32-true" if bf16_ms > 9.8 else "bf16-master")
+
+
+def test_pooled_rounds_decide_by_their_median_and_a_mode_non_finite_once_stays_out(
+        cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first run inside the margin, a second that shows bf16-master 10% faster: the pooled median switches."""
+    first = {"32-true": [0.010] * 3, "bf16-master": [0.0099] * 3, "bf16-mixed": [0.0099] * 3}
+    second = {"32-true": [0.010] * 5, "bf16-master": [0.0090] * 5, "bf16-mixed": None}
+    calls: list[int] = []
+    monkeypatch.setattr(step_timing, "_sample_interleaved", _timer_returning([first, second], calls))
+    module, batch = Tiny(), torch.ones(4, 8)
+    assert step_timing.choose_by_timing(step_timing.time_modes(module, batch, MODES))[0] == "32-true"
+    monkeypatch.setattr(step_timing, "_CACHE", {})
+    times = step_timing.time_modes(module, batch, MODES)
+    assert times == {"32-true": 0.010, "bf16-master": 0.0090, "bf16-mixed": None}  # median of 3 + 5 rounds
+    assert step_timing.choose_by_timing(times)[0] == "bf16-master" and len(calls) == 2
 
 
 def test_disabled_or_damaged_cache_times_afresh(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
