@@ -87,7 +87,7 @@ def _timings(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 1
             samples = _pool(entry.get("samples") if entry else None, samples)
             entry = {"times": _medians(samples), "samples": samples, "when": None}  # timed in this process
             if disk is not None:
-                _write_disk(disk, key, entry["times"], samples)
+                _write_disk(disk, key, entry)
         _CACHE[key] = entry
     return dict(_CACHE[key]["times"]), _CACHE[key].get("when")
 
@@ -208,15 +208,20 @@ def auto_mode_for(module: nn.Module, candidates: Sequence[str]) -> tuple[str, st
     datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
     if datamodule is None or not hasattr(datamodule, "train_dataloader"):
         return None
-    with torch.random.fork_rng():  # drawing a batch must not shift the run's data order
-        batch = next(iter(datamodule.train_dataloader()))
-    if hasattr(datamodule, "on_after_batch_transfer"):
-        batch = datamodule.on_after_batch_transfer(batch, 0)
-    times, when = _timings(module, batch, candidates)
+    times, when = _timings(module, first_training_batch(datamodule), candidates)
     mode, reason = choose_by_timing(times)
     if when is not None:
         reason = reason.replace("on one micro-batch", f"on one micro-batch (cached {when} in {cache_file()})", 1)
     return mode, reason
+
+
+def first_training_batch(datamodule: Any) -> Any:
+    """The first micro-batch of ``datamodule.train_dataloader()``, as the step sees it (after its transfer hook)."""
+    with torch.random.fork_rng():  # drawing a batch must not shift the run's data order
+        batch = next(iter(datamodule.train_dataloader()))
+    if hasattr(datamodule, "on_after_batch_transfer"):
+        batch = datamodule.on_after_batch_transfer(batch, 0)
+    return batch
 
 
 # ---- the cache key and the on-disk cache ------------------------------------------------------------------
@@ -267,12 +272,12 @@ def _read_disk(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_disk(path: Path, key: str, times: dict[str, float | None],
-                samples: dict[str, list[float] | None] | None = None) -> None:
-    """Add one entry; atomic (write a sibling, then rename), and never fatal: a cache is only a shortcut."""
+def _write_disk(path: Path, key: str, entry: dict[str, Any]) -> None:
+    """Add one entry (its times and samples, dated today); atomic (write a sibling, then rename), and never
+    fatal: a cache is only a shortcut."""
     try:
         data = _read_disk(path)
-        data[key] = {"times": times, "samples": samples, "when": dt.date.today().isoformat()}
+        data[key] = {"times": entry["times"], "samples": entry["samples"], "when": dt.date.today().isoformat()}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
