@@ -138,19 +138,42 @@ def check_config(cfg: DictConfig) -> None:
     check_checkpoint_path(cfg.get("ckpt_path"))
 
 
+def is_deepspeed_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a folder DeepSpeed wrote (Lightning's ZeRO checkpoints): a ``latest`` tag file or a
+    ``checkpoint/`` folder of ``*model_states.pt`` files, not merely a folder holding some ``.pt`` file."""
+    return path.is_dir() and ((path / "latest").is_file() or (path / "checkpoint").is_dir()
+                              or any(path.glob("*model_states.pt")))
+
+
 def check_checkpoint_path(ckpt_path: Any) -> None:
-    """A folder is a checkpoint only when DeepSpeed wrote it (``latest``, a ``checkpoint`` folder or ``.pt`` files)."""
+    """A folder is a checkpoint only when DeepSpeed wrote it (``latest``, a ``checkpoint`` folder, ``*model_states.pt``)."""
     if ckpt_path is None or not isinstance(ckpt_path, str) or "://" in ckpt_path:
         return
     path = Path(ckpt_path)
-    if path.is_dir() and not ((path / "latest").exists() or (path / "checkpoint").is_dir() or any(path.glob("*.pt"))):
-        raise ConfigError(f"ckpt_path={ckpt_path}: is a folder, not a checkpoint. Fix: pass a .ckpt file "
-                          f"(e.g. ckpt_path={path / 'checkpoints' / 'last.ckpt'}), or ckpt_path=last")
+    if path.is_dir() and not is_deepspeed_checkpoint(path):
+        inside = sorted(p.name for p in path.glob("*.ckpt")) + sorted(p.name for p in path.glob("*.pt"))
+        found = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""
+        example = path / inside[0] if inside else path / "checkpoints" / "last.ckpt"
+        raise ConfigError(f"ckpt_path={ckpt_path}: is a folder, not a checkpoint{found}. Fix: pass a checkpoint file "
+                          f"(e.g. ckpt_path={example}), or ckpt_path=last")
 
 
-def _param_group_keys(optimizer_factory: Any) -> set[str]:
-    probe = torch.nn.Parameter(torch.zeros(1))
-    return set(optimizer_factory([probe]).param_groups[0]) - {"params"}
+def _param_group_keys(optimizer_factory: Any) -> set[str] | None:
+    """The param-group keys ``optimizer_factory`` gives every group, or ``None`` when it cannot be probed.
+
+    The probe is a tiny ``Linear``'s parameters; an optimizer that needs parameter names (``wants_param_names``, e.g.
+    ``MuonAdamW``) gets them as the bundled models pass them (``lit_speed.models.optim.param_groups``).
+    """
+    probe = torch.nn.Linear(4, 4, bias=True)
+    wants_names = bool(getattr(getattr(optimizer_factory, "func", optimizer_factory), "wants_param_names", False))
+    named = list(probe.named_parameters())
+    groups = [{"params": [p for _, p in named], "param_names": [f"probe.{n}" for n, _ in named]}] if wants_names \
+        else [p for _, p in named]
+    try:
+        optimizer = optimizer_factory(groups)
+    except Exception:  # noqa: BLE001 - a factory this probe cannot build: the check is skipped, never the run
+        return None
+    return set().union(*(set(g) for g in optimizer.param_groups)) - {"params", "param_names"}
 
 
 def check_checkpoint_matches(ckpt_path: Any, model: torch.nn.Module, optimizer_factory: Any = None) -> None:
@@ -175,9 +198,11 @@ def check_checkpoint_matches(ckpt_path: Any, model: torch.nn.Module, optimizer_f
     states = checkpoint.get("optimizer_states") or []
     if optimizer_factory is None or not states or not states[0].get("param_groups"):
         return
-    needed = _param_group_keys(optimizer_factory) - {"initial_lr", "foreach", "fused", "differentiable",
-                                                     "capturable", "maximize"}
-    saved_keys = set(states[0]["param_groups"][0])
+    keys = _param_group_keys(optimizer_factory)
+    if keys is None:
+        return
+    needed = keys - {"initial_lr", "foreach", "fused", "differentiable", "capturable", "maximize", "decoupled_weight_decay"}
+    saved_keys = set().union(*(set(g) for g in states[0]["param_groups"]))
     if needed - saved_keys:
         raise ConfigError(f"ckpt_path={ckpt_path}: written with another optimizer (its state lacks "
                           f"{', '.join(sorted(needed - saved_keys))}). Fix: the optimizer= of the run that wrote it, "

@@ -1,7 +1,7 @@
 """Gradient accumulation scheduled by optimizer step, epoch, samples or tokens, with token-correct normalisation."""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -178,9 +178,7 @@ class AccumulationScheduler(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._saved_grads is not None:  # resumed mid-window: put the partial window's gradients back
-            params = dict(pl_module.named_parameters())
-            for name, grad in self._saved_grads.items():
-                params[name].grad = grad.to(device=params[name].device, dtype=params[name].dtype)
+            restore_partial_gradients(self._saved_grads, trainer.optimizers, pl_module)
             self._saved_grads = None
         trainer.accumulate_grad_batches = self.current_factor
         self._last_logged = {}  # a new fit starts with empty callback_metrics
@@ -338,8 +336,8 @@ class AccumulationScheduler(Callback):
             # ZeRO keeps gradients in flat partitions; its step divides them by the loss scale, so the
             # normalisation rides on that (restored to 1 after the step, before the next backward)
             trainer.strategy.deepspeed_engine.optimizer.override_loss_scale(1.0 / scale)
-        else:
-            scale_gradients(pl_module.parameters(), scale)
+        else:  # the optimizer's parameters: under bf16-master these are the float32 masters holding the gradients
+            scale_gradients(optimizer_parameters([optimizer]), scale)
         self._last_items = items
         self._seen[0] += int(samples)
         self._seen[1] += int(tokens)
@@ -370,9 +368,7 @@ class AccumulationScheduler(Callback):
                 rank_zero_warn("accumulation: checkpoint taken mid-window with several processes or ZeRO; it holds "
                                "rank 0's partial gradients only, so resuming from it is not exact. Checkpoint at "
                                "window ends (ModelCheckpoint(every_n_train_steps=...) does).")
-            module = self._trainer.lightning_module
-            state["partial_grads"] = {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters()
-                                      if p.grad is not None}
+            state["partial_grads"] = partial_gradients(self._trainer.optimizers)
         return state
 
     @override
@@ -387,6 +383,32 @@ class AccumulationScheduler(Callback):
         self._applied_lr_scale = state_dict.get("applied_lr_scale", 1.0)
         self._oom_count = state_dict.get("oom_count", 0)
         self._saved_grads = state_dict.get("partial_grads")
+
+
+def optimizer_parameters(optimizers: Iterable[Any]) -> list[torch.Tensor]:
+    """Every parameter the optimizers step, in their order: where the accumulated gradients live (the module's own
+    parameters, or the float32 masters of ``precision=bf16-master``)."""
+    return [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+
+
+def partial_gradients(optimizers: list[Any]) -> list[list[list[torch.Tensor | None]]]:
+    """The gradients accumulated so far, by optimizer, param group and position (as ``optimizer.state_dict()``
+    orders them), copied to the CPU: the part of a mid-window checkpoint that plain Lightning does not save."""
+    return [[[None if p.grad is None else p.grad.detach().cpu().clone() for p in group["params"]]
+             for group in opt.param_groups] for opt in optimizers]
+
+
+def restore_partial_gradients(saved: Any, optimizers: list[Any], module: torch.nn.Module) -> None:
+    """Put the gradients of :func:`partial_gradients` back (or, from older checkpoints, a ``{name: grad}`` dict)."""
+    if isinstance(saved, dict):
+        params = dict(module.named_parameters())
+        for name, grad in saved.items():
+            params[name].grad = grad.to(device=params[name].device, dtype=params[name].dtype)
+        return
+    for opt, groups in zip(optimizers, saved):
+        for group, grads in zip(opt.param_groups, groups):
+            for p, grad in zip(group["params"], grads):
+                p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
 
 
 def _is_deepspeed(trainer: "pl.Trainer") -> bool:
