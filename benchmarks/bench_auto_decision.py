@@ -35,8 +35,6 @@ def model_and_batch(experiment: str):
     import lightning.pytorch as pl
     from hydra import compose, initialize_config_dir
 
-    from lit_speed.precision import step_timing
-
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"experiment={experiment}", "logger=none"])
     pl.seed_everything(cfg.seed)
@@ -44,7 +42,8 @@ def model_and_batch(experiment: str):
     model = hydra.utils.instantiate(cfg.model, optimizer=hydra.utils.instantiate(cfg.optimizer))
     datamodule.prepare_data()
     datamodule.setup("fit")
-    return model, step_timing.first_training_batch(datamodule)  # the batch precision=auto times
+    # the batch precision=auto times: the run's first training batch as the loader yields it
+    return model, next(iter(datamodule.train_dataloader()))
 
 
 def main() -> None:

@@ -103,6 +103,10 @@ class GuardedPrecision(Precision):
         self._previous_matmul_precision: str | None = None
         self._master: MasterWeights | None = None  # bf16-master: the float32 masters of the module
         self._optimizers: list[Optimizer] = []
+        self._module: nn.Module | None = None  # the module this plugin converted (for a switch of mode)
+        self._trainer: "pl.Trainer | None" = None
+        # precision=auto on a CPU with native bf16: the modes to time on the first training batch (None: decided)
+        self._timing_candidates: list[str] | None = None
 
     @property
     def precision(self) -> str:  # type: ignore[override]
@@ -111,17 +115,22 @@ class GuardedPrecision(Precision):
 
     # ---- setup -------------------------------------------------------------------------------------------
 
-    def _resolve(self, device_type: str, probe: bool, module: nn.Module | None = None,
-                 strategy: Any = None) -> tuple[str, str]:
+    def _resolve(self, device_type: str, probe: bool, strategy: Any = None) -> tuple[str, str]:
+        """The mode by rule (device, bf16 support, the matmul probe); ``auto`` may still time it (:meth:`_setup`)."""
         if self.requested_mode != "auto":
             return self.requested_mode, "requested"
         cpu_probe = probe and device_type == "cpu" and cpu_has_native_bf16()
-        rule = modes.choose_auto_mode(device_type, _cuda_bf16(), cpu_has_native_bf16(), measure_slowdown(
-            torch.bfloat16) if cpu_probe else None, self.max_cpu_slowdown)  # the matmul probe filters, then
-        candidates = modes.allowed_modes(modes.TIMED_CANDIDATES, strategy)  # e.g. no bf16-master under DDP
-        timed = auto_mode_for(module, candidates) if cpu_probe and module is not None and \
-            rule[0] != "32-true" and len(candidates) > 1 else None  # this model's own step, in each mode
-        return timed or rule
+        return modes.choose_auto_mode(device_type, _cuda_bf16(), cpu_has_native_bf16(), measure_slowdown(
+            torch.bfloat16) if cpu_probe else None, self.max_cpu_slowdown)
+
+    def _timed_candidates(self, rule_mode: str, strategy: Any) -> list[str] | None:
+        """The modes ``auto`` times on the first training batch: on a CPU with native bf16 kernels, when the rule
+        did not already rule bf16 out, among the modes the strategy accepts (no ``bf16-master`` under DDP)."""
+        if self.requested_mode != "auto" or self.device_type != "cpu" or rule_mode == "32-true" \
+                or not cpu_has_native_bf16():
+            return None
+        candidates = modes.allowed_modes(modes.TIMED_CANDIDATES, strategy)
+        return candidates if len(candidates) > 1 else None
 
     def _setup(self, module: nn.Module) -> None:
         """Resolve the device and mode, check the combination, build the scaler (idempotent)."""
@@ -131,21 +140,25 @@ class GuardedPrecision(Precision):
             modes.check_strategy(self.mode, trainer.strategy)
         else:
             self.device_type = next((p.device.type for p in module.parameters()), "cpu")
+        if trainer is not None:
+            self._trainer = trainer
         if not self._resolved:
             strategy = trainer.strategy if trainer is not None else None
-            if trainer is not None and trainer.world_size > 1:  # rank 0 decides (and times) for every process
-                decided = self._resolve(self.device_type, probe=True, module=module, strategy=strategy) \
+            if trainer is not None and trainer.world_size > 1:  # rank 0 decides for every process
+                decided = self._resolve(self.device_type, probe=True, strategy=strategy) \
                     if trainer.global_rank == 0 else None
                 self.mode, self.reason = trainer.strategy.broadcast(decided, src=0)
             else:
-                self.mode, self.reason = self._resolve(self.device_type, probe=True, module=module,
-                                                       strategy=strategy)
-            bf16_ok = _cuda_bf16() if self.device_type == "cuda" else cpu_has_native_bf16()
-            self._chain = list(self._user_chain) if self._user_chain is not None else \
-                modes.default_chain(self.mode, bf16_ok)
+                self.mode, self.reason = self._resolve(self.device_type, probe=True, strategy=strategy)
+            self._timing_candidates = self._timed_candidates(self.mode, strategy) if trainer is not None else None
+            if self._timing_candidates is not None:  # 32-true until the first training batch has been timed
+                self.mode = "32-true"
+                self.reason = (f"{self.reason}; times {', '.join(self._timing_candidates)} on this model's step at "
+                               "the first training batch and keeps the fastest")
+            self._set_chain()
             self._start_mode = self.mode
             self._resolved = True
-            if self.requested_mode == "auto":  # the start-up table is printed before fit: show the decision here
+            if self.requested_mode == "auto" and self._timing_candidates is None:
                 rank_zero_info(f"GuardedPrecision: precision=auto -> {self.mode} ({self.reason})")
         modes.check_device_support(self.mode, self.device_type, _cuda_bf16())
         if self.device_type == "cpu" and self.requested_mode != "auto":
@@ -172,8 +185,14 @@ class GuardedPrecision(Precision):
             self.scaler.load_state_dict(self._pending_scaler_state)
             self._pending_scaler_state = None
 
+    def _set_chain(self) -> None:
+        bf16_ok = _cuda_bf16() if self.device_type == "cuda" else cpu_has_native_bf16()
+        self._chain = list(self._user_chain) if self._user_chain is not None else \
+            modes.default_chain(self.mode, bf16_ok)
+
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
+        self._module = module
         self._setup(module)
         if self.mode == "bf16-master" and (self._master is None or self._master.module is not module):
             self._master = MasterWeights(module)  # masters from the (restored) float32 weights, module -> bf16
@@ -222,7 +241,48 @@ class GuardedPrecision(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
+        # the training loop hands every batch here before its transfer: precision=auto times the first one
+        if self._timing_candidates is not None and self._trainer is not None and self._trainer.training \
+                and not self._trainer.sanity_checking:
+            self._decide_by_timing(data)
         return cast_floating(data, torch.bfloat16) if self.mode in ("bf16-true", "bf16-master") else data
+
+    def _decide_by_timing(self, batch: Any) -> None:
+        """``auto`` on a CPU with native bf16: time the candidate modes on copies of the model with this (the
+        first) training batch, keep the fastest, and switch to it before the batch is trained on. Rank 0 times
+        for every process. Nothing of the run is touched: the model is copied, no batch is drawn, and the RNG
+        states training sees are restored (:func:`~lit_speed.precision.step_timing.auto_mode_for`)."""
+        trainer, candidates = self._trainer, self._timing_candidates
+        assert trainer is not None and candidates is not None
+        self._timing_candidates = None
+        decided = None
+        if trainer.global_rank == 0:
+            rule = self.reason.split("; times ", 1)[0]
+            decided = auto_mode_for(trainer.lightning_module, batch, candidates, trainer.strategy.root_device)
+            if decided is None or decided[0] not in candidates:
+                decided = (self._resolve(self.device_type or "cpu", probe=True)[0],
+                           f"{rule}; {decided[1] if decided else 'could not time this model on its batch'}")
+        if trainer.world_size > 1:
+            decided = trainer.strategy.broadcast(decided, src=0)
+        mode, self.reason = decided
+        self._switch_to(mode)
+        self._start_mode = self.mode
+        rank_zero_info(f"GuardedPrecision: precision=auto -> {self.mode} ({self.reason})")
+
+    def _switch_to(self, mode: str) -> None:
+        """Move a set-up run to ``mode`` before its first step (auto's decision, or the one a checkpoint holds):
+        the mixed modes only change the autocast; ``bf16-master`` makes the module bf16 and points the optimizers
+        at float32 masters (no optimizer state exists yet, or it is loaded after this)."""
+        if mode == self.mode:
+            return
+        self.mode = mode
+        if mode == "bf16-master" and self._master is None and self._module is not None:
+            self._master = MasterWeights(self._module)
+            self._param_names.update(self._master.attach(self._optimizers))
+        self._release_masters()
+        self._set_chain()
+        if self.mode == "16-mixed" and self.scaler is None:
+            self._make_scaler()
 
     # ---- backward and step -------------------------------------------------------------------------------
 
@@ -334,7 +394,7 @@ class GuardedPrecision(Precision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = {"mode": self.mode, "start_mode": self._start_mode or self.mode,
+        state = {"mode": self.mode, "start_mode": self._start_mode or self.mode, "reason": self.reason,
                  "chain": list(self._chain), **self.counters.state_dict()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
@@ -343,20 +403,24 @@ class GuardedPrecision(Precision):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         start = state_dict.get("start_mode")
-        configured = self._start_mode or self.requested_mode
+        configured = "auto" if self.requested_mode == "auto" else self._start_mode or self.requested_mode
         if start is not None and configured not in ("auto", start):
             rank_zero_warn(f"GuardedPrecision: the checkpoint was trained from precision {start!r} "
                            f"(last {state_dict.get('mode')!r}); this run asks for {configured!r}, so the "
                            f"checkpoint's precision state is not restored.")
             return
-        self.mode = state_dict.get("mode", self.mode)
+        reused = self.requested_mode == "auto" and state_dict.get("mode") is not None
+        self._timing_candidates = None  # auto's decision comes from the checkpoint: the resumed run is not re-timed
+        self._switch_to(state_dict.get("mode", self.mode))
         self._start_mode = start or self.mode
         self._chain = list(state_dict.get("chain", self._chain))
         self.counters.load_state_dict(state_dict)
         self._resolved = True
         if self.counters.fallbacks:
             self.reason = f"restored from checkpoint: fell back from {self.counters.fallbacks[-1]['from']}"
-        self._release_masters()
+        elif reused:
+            self.reason = f"precision=auto's decision, restored from the checkpoint (not timed again): " \
+                          f"{state_dict.get('reason', 'no reason saved')}"
         if self.mode != "16-mixed":
             self.scaler = None
         elif "scaler" in state_dict:
@@ -367,17 +431,18 @@ class GuardedPrecision(Precision):
 
     def describe(self) -> dict[str, str]:
         """Rows for the start-up table (before setup, ``auto`` shows the probe's guess and what setup will time)."""
+        shown = None
         if self.requested_mode == "auto" and not self._resolved:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
             self.mode, self.reason = self._resolve(device_type, probe=True)
-            if device_type == "cpu" and self.mode != "32-true":  # _resolve times the candidates on CPU only
-                self.reason += f"; setup times {', '.join(modes.TIMED_CANDIDATES)} on this model's step and keeps " \
-                               f"the fastest"
+            if device_type == "cpu" and self.mode != "32-true":  # timed on the first training batch, CPU only
+                shown = (f"auto: times {', '.join(modes.TIMED_CANDIDATES)} on this model's first training batch and "
+                         f"keeps the fastest (by rule alone: {self.mode}, {self.reason})")
         scaler = ", ".join(f"{k}={v:g}" for k, v in self.scaler_config.items())
         guard = self.on_nonfinite + (f" after {self.fallback_after} bad steps -> "
                                      f"{' -> '.join(self._chain or modes.default_chain(self.mode)) or 'none'}"
                                      if self.on_nonfinite == "fallback" else "")
-        rows = {"precision": f"{self.mode} ({self.reason})" if self.requested_mode == "auto" else self.mode,
+        rows = {"precision": shown or (f"{self.mode} ({self.reason})" if self.requested_mode == "auto" else self.mode),
                 "non-finite guard": guard}
         if self.mode == "16-mixed":
             rows["loss scaler"] = scaler

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lit_speed.compat import lightning as pl_compat
+from lit_speed.precision.fp32_modules import cast_floating
 from lit_speed.precision.master_weights import MasterWeights
 
 #: A low-precision mode must beat 32-true by this fraction to be chosen. It is also the most a wrong keep of
@@ -140,13 +141,16 @@ class _ModeRun:
         self.context = (lambda: torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False)) \
             if mode == "bf16-mixed" else nullcontext
         self.loss_fn = loss_fn
+        # bf16-master trains a bf16 module on bf16 inputs (GuardedPrecision.convert_input casts them there too)
+        self.convert: Callable[[Any], Any] = (lambda b: cast_floating(b, torch.bfloat16)) \
+            if mode == "bf16-master" else (lambda b: b)
         self.times: list[float] = []
         self.finite = True
 
     def step(self, batch: Any) -> float:
         start = time.perf_counter()
         with self.context():
-            loss = self.loss_fn(self.model, batch)
+            loss = self.loss_fn(self.model, self.convert(batch))
         if not torch.isfinite(loss.detach()).all():
             self.finite = False
         loss.float().backward()
@@ -202,26 +206,68 @@ def choose_by_timing(times: dict[str, float | None], min_gain: float = MIN_GAIN)
     return best, f"timed this model's step on one micro-batch: {shown}"
 
 
-def auto_mode_for(module: nn.Module, candidates: Sequence[str]) -> tuple[str, str] | None:
-    """Time ``candidates`` on one batch of the attached Trainer's training data; ``None`` if there is none."""
-    trainer = pl_compat.attached_trainer(module)
-    datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-    if datamodule is None or not hasattr(datamodule, "train_dataloader"):
-        return None
-    times, when = _timings(module, first_training_batch(datamodule), candidates)
+def auto_mode_for(module: nn.Module, batch: Any, candidates: Sequence[str], device: torch.device | None = None
+                  ) -> tuple[str | None, str]:
+    """Time ``candidates`` on ``batch`` (a training batch as the loader yields it, before its transfer) and pick one.
+
+    Leaves no trace in the run: the timing trains copies of ``module`` (the module's own transfer hooks run on a
+    copy too, the datamodule's are not called), and the torch, numpy and python RNG states are what they were.
+
+    Returns:
+        ``(mode, reason)``; ``(None, why)`` when this model's step could not run on the batch (the caller decides
+        by rule then).
+    """
+    try:
+        with preserved_rng_states(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            batch = _as_step_input(module, batch, device)
+            times, when = _timings(module, batch, candidates)
+    except Exception as error:  # noqa: BLE001 - a step this timer cannot run (a hook needing the Trainer, ...)
+        first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+        return None, f"could not time this model's step on its first batch ({type(error).__name__}: {first})"
+    if all(t is None for t in times.values()):
+        return None, "no candidate mode gave a finite loss on the first batch"
     mode, reason = choose_by_timing(times)
     if when is not None:
         reason = reason.replace("on one micro-batch", f"on one micro-batch (cached {when} in {cache_file()})", 1)
     return mode, reason
 
 
-def first_training_batch(datamodule: Any) -> Any:
-    """The first micro-batch of ``datamodule.train_dataloader()``, as the step sees it (after its transfer hook)."""
-    with torch.random.fork_rng():  # drawing a batch must not shift the run's data order
-        batch = next(iter(datamodule.train_dataloader()))
-    if hasattr(datamodule, "on_after_batch_transfer"):
-        batch = datamodule.on_after_batch_transfer(batch, 0)
-    return batch
+def _as_step_input(module: nn.Module, batch: Any, device: torch.device | None) -> Any:
+    """``batch`` as ``training_step`` sees it: the module's own transfer hooks, run on a copy of the module."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    target = device or next((p.device for p in module.parameters()), torch.device("cpu"))
+    hooks = getattr(module, "on_before_batch_transfer", None)
+    if hooks is None:  # a plain nn.Module: only the move
+        return move_data_to_device(batch, target)
+    copy_ = _detached_copy(module)
+    batch = copy_.on_before_batch_transfer(batch, 0)
+    batch = copy_.transfer_batch_to_device(batch, target, 0)
+    return copy_.on_after_batch_transfer(batch, 0)
+
+
+class preserved_rng_states:
+    """Context manager: the torch (CPU and CUDA), numpy and python RNG states on exit are those on entry."""
+
+    def __enter__(self) -> "preserved_rng_states":
+        import random
+
+        import numpy as np
+
+        self._torch = torch.random.fork_rng()
+        self._torch.__enter__()
+        self._numpy, self._python = np.random.get_state(), random.getstate()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import random
+
+        import numpy as np
+
+        np.random.set_state(self._numpy)
+        random.setstate(self._python)
+        self._torch.__exit__(*exc)
 
 
 # ---- the cache key and the on-disk cache ------------------------------------------------------------------

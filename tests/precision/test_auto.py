@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -157,11 +158,109 @@ class _Strategy:
 
 
 def test_other_ranks_take_rank_zeros_decision_without_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set-up: rank 1 takes rank 0's rule; first training batch: rank 1 takes rank 0's timed decision, untimed."""
     plugin = GuardedPrecision("auto")
-    strategy = _Strategy(("bf16-mixed", "rank 0 timed it"))
-    trainer = SimpleNamespace(strategy=strategy, world_size=2, global_rank=1)
+    strategy = _Strategy(("bf16-mixed", "rank 0's rule"))
+    trainer = SimpleNamespace(strategy=strategy, world_size=2, global_rank=1, training=True, sanity_checking=False,
+                              lightning_module=Tiny())
     monkeypatch.setattr("lit_speed.precision.guarded_precision._trainer_of", lambda module: trainer)
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(modes, "check_strategy", lambda mode, strategy: None)
-    monkeypatch.setattr(GuardedPrecision, "_resolve", lambda *a, **k: pytest.fail("rank 1 must not time"))
+    monkeypatch.setattr(GuardedPrecision, "_resolve", lambda *a, **k: pytest.fail("rank 1 must not probe"))
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.auto_mode_for",
+                        lambda *a, **k: pytest.fail("rank 1 must not time"))
     plugin._setup(Tiny())
-    assert (plugin.mode, plugin.reason) == ("bf16-mixed", "rank 0 timed it") and strategy.sent == [None]
+    assert strategy.sent == [None]
+    assert plugin.mode == "32-true" and "at the first training batch" in plugin.reason  # until the first batch
+    strategy.decision = ("bf16-mixed", "rank 0 timed it")
+    plugin.convert_input(torch.ones(4, 8))
+    assert (plugin.mode, plugin.reason) == ("bf16-mixed", "rank 0 timed it") and strategy.sent == [None, None]
+    plugin.convert_input(torch.ones(4, 8))  # decided once
+    assert len(strategy.sent) == 2
+
+
+# ---- one decision whatever the door: a plain Trainer times the first real batch, and leaves no trace ----------
+
+class _Regressor(pl.LightningModule):
+    """Linear regression with dropout (so a shifted RNG would change the weights) on float inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _loader() -> "torch.utils.data.DataLoader":
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+
+
+def _fit(plugin: GuardedPrecision) -> _Regressor:
+    module = _Regressor()
+    pl.seed_everything(5)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, plugins=[plugin], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=_loader())
+    return module
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    """Take the timing path on any CPU: native bf16 kernels reported, the matmul probe fast."""
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.measure_slowdown", lambda dtype: 0.5)
+
+
+@pytest.mark.parametrize("winner", MODES)
+def test_a_plain_trainer_times_its_first_batch_and_trains_exactly_as_the_mode_it_picks(
+        bf16_cpu: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, winner: str) -> None:
+    """``Trainer(plugins=[GuardedPrecision("auto")])`` with plain dataloaders: the step is timed on the first batch
+    (the Hydra path's decision line), and the run is bitwise the run of the chosen mode: the timing drew no batch,
+    moved no RNG and, for bf16-master, built the masters before the first step."""
+    real = step_timing._sample_interleaved
+    timed: list[tuple] = []
+
+    def sample(base, batch, modes_, steps, budget_s, loss_fn):
+        timed.append((tuple(modes_), [tuple(t.shape) for t in batch]))
+        samples = real(base, batch, modes_, 2, budget_s, loss_fn)  # really runs every mode on the batch
+        return {m: (None if v is None else [0.001 if m == winner else 0.002] * len(v)) for m, v in samples.items()}
+
+    monkeypatch.setattr(step_timing, "_sample_interleaved", sample)
+    plugin = GuardedPrecision("auto")
+    with caplog.at_level("INFO"):
+        auto = _fit(plugin)
+    assert timed == [(MODES, [(8, 8), (8, 1)])]  # once, on one micro-batch of the real loader
+    assert plugin.mode == winner and plugin.reason.startswith("timed this model's step on one micro-batch")
+    assert f"precision=auto -> {winner} (timed this model's step" in caplog.text
+    fixed = _fit(GuardedPrecision(winner))
+    for a, b in zip(auto.state_dict().values(), fixed.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_auto_resumes_with_the_checkpoints_decision_without_timing_again(
+        bf16_cpu: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(step_timing, "_sample_interleaved",
+                        lambda base, batch, modes_, *a: {m: [0.001 if m == "bf16-master" else 0.002] for m in modes_})
+    module, plugin = _Regressor(), GuardedPrecision("auto")
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, plugins=[plugin], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=_loader())
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    assert plugin.mode == "bf16-master"
+    monkeypatch.setattr(step_timing, "_sample_interleaved", lambda *a: pytest.fail("a resumed run must not re-time"))
+    monkeypatch.setattr(step_timing, "_CACHE", {})
+    resumed, again = _Regressor(), GuardedPrecision("auto")
+    trainer = pl.Trainer(accelerator="cpu", max_steps=5, plugins=[again], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(resumed, train_dataloaders=_loader(), ckpt_path=str(tmp_path / "a.ckpt"))
+    assert again.mode == "bf16-master" and "restored from the checkpoint (not timed again)" in again.reason
+    assert all(p.dtype == torch.bfloat16 for p in resumed.parameters())  # the masters were rebuilt
+    assert trainer.global_step == 5

@@ -151,12 +151,17 @@ def test_bf16_true_keeps_weights_in_bf16() -> None:
 
 
 def test_auto_resolves_on_the_trainer_device_with_the_same_rule_as_the_pure_function() -> None:
+    """The rule decides where it rules bf16 out; on a CPU with native bf16 the first training batch is timed."""
     plugin = GuardedPrecision("auto")
     fit(plugin, FaultyRegressor(), max_steps=1)
     native = cpu_has_native_bf16()
     expected = modes.choose_auto_mode("cpu", False, native, measure_slowdown(torch.bfloat16) if native else None, 2.0)
-    assert (plugin.mode, plugin.reason) == expected
-    assert plugin.describe()["precision"] == f"{expected[0]} ({expected[1]})"
+    if expected[0] == "32-true":
+        assert (plugin.mode, plugin.reason) == expected
+        assert plugin.describe()["precision"] == f"{expected[0]} ({expected[1]})"
+    else:
+        assert plugin.mode in modes.TIMED_CANDIDATES
+        assert plugin.reason.startswith("timed this model's step on one micro-batch: 32-true ")
 
 
 class _Recorder(pl.Callback):
