@@ -23,7 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_speed.config_check import ConfigError
 
+from lit_speed.checkpointing import FaultTolerance, is_write_failure, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
+from lit_speed.config_error import RunStopped
 from lit_speed.run_contract import (AccumulationReport, MonitoredModel, SummaryExtra, SummaryReport,
                                     WorkloadReport, startup_rows_of)
 from lit_speed.run_checks import check_activation_memory, check_checkpoint_matches, check_config
@@ -77,6 +79,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         trainer_kwargs["strategy"] = strategy_cfg.name  # a Lightning strategy registry name
 
     callbacks = _instantiate_group(cfg.get("callbacks")) + _instantiate_group(cfg.get("accumulation"))
+    safety_net = None
+    if not any(isinstance(cb, FaultTolerance) for cb in callbacks):
+        # a scheduler's SIGTERM must never lose the whole run: saving on a signal costs nothing until one comes
+        safety_net = FaultTolerance(check_every_n_steps=0)
+        callbacks.append(safety_net)
     run_summary = RunSummary(monitor=cfg.monitor, mode=cfg.monitor_mode)
     callbacks += [run_summary, RunPlanCheck(monitor=cfg.monitor, final_validation=bool(cfg.get("validate")))]
     loggers = _instantiate_group(cfg.get("logger"))
@@ -85,11 +92,14 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         if dropped:
             rank_zero_warn("logger=none: LearningRateMonitor removed (it has no logger to write to)")
             callbacks = [cb for cb in callbacks if cb not in dropped]
+    if "enable_checkpointing" not in cfg.trainer:  # no ModelCheckpoint configured: no hidden one from Lightning
+        trainer_kwargs["enable_checkpointing"] = any(isinstance(cb, pl.callbacks.ModelCheckpoint) for cb in callbacks)
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=plugins or None, **trainer_kwargs
     )
     return {"datamodule": datamodule, "model": model, "trainer": trainer, "run_summary": run_summary,
-            "callbacks": callbacks, "loggers": loggers, "plugins": plugins, "optimizer": optimizer, "cfg": cfg}
+            "callbacks": callbacks, "loggers": loggers, "plugins": plugins, "optimizer": optimizer, "cfg": cfg,
+            "safety_net": safety_net}
 
 
 def _accumulation_factor(trainer: pl.Trainer, callbacks: list[Any]) -> int:
@@ -121,6 +131,10 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
     for part in [dm, precision, *parts["callbacks"]]:
         rows.update(startup_rows_of(part))
     rows.update(startup_rows_of(trainer.strategy, model))  # a strategy sizes its memory estimate from the model
+    if parts.get("safety_net") is not None:
+        rows["fault tolerance"] = ("added: no FaultTolerance among the callbacks, so the runner saves last.ckpt on "
+                                   "SIGTERM/SIGUSR1 (exit 128+signal) and nothing else; callbacks=default checkpoints "
+                                   "at every validation")
     return rows
 
 
@@ -219,7 +233,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # ckpt_path=last -> the newest checkpoint that verifies (damaged ones are skipped with a warning)
         ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), trainer)
         check_checkpoint_matches(ckpt_path, model, parts["optimizer"])
-        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        try:
+            trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        except BaseException as error:  # interrupted or failed: what was done is still written down
+            _write_stopped_summary(cfg, parts, rows, error, t0)
+            if is_write_failure(error):  # no space / no permission: one line, the checkpoint kept, how to resume
+                raise RunStopped(write_failure_message(error, trainer), exit_code=74) from error  # EX_IOERR
+            raise
     summary = parts["run_summary"].summary(trainer)
     if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run:
         val = trainer.validate(model, datamodule=dm, verbose=False)
@@ -236,13 +256,38 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
+def _write_stopped_summary(cfg: DictConfig, parts: dict[str, Any], rows: dict[str, str], error: BaseException,
+                           t0: float) -> None:
+    """``summary.json`` of a run that did not finish: what it did, and how it stopped (never hides ``error``)."""
+    try:
+        trainer = parts["trainer"]
+        summary = parts["run_summary"].summary(trainer)
+        stopped = next((getattr(cb, "interrupted", None) or getattr(cb, "failure", None) for cb in trainer.callbacks
+                        if getattr(cb, "interrupted", None) or getattr(cb, "failure", None)), None)
+        summary["status"] = "interrupted" if isinstance(error, (SystemExit, KeyboardInterrupt)) else "failed"
+        summary["stopped"] = stopped or f"{type(error).__name__}: {str(error).strip()[:300]}"
+        summary["total_wall_time_s"] = round(time.perf_counter() - t0, 3)
+        summary["startup"] = rows
+        summary["config"] = OmegaConf.to_container(cfg, resolve=True)
+        _write_summary_file(cfg, summary)
+    except Exception as failure:  # noqa: BLE001 - the run's own error is the one to show
+        log.warning(f"could not write summary.json of the stopped run: {failure}")
+
+
+@rank_zero_only
+def _write_summary_file(cfg: DictConfig, summary: dict[str, Any]) -> None:
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+
+
 @rank_zero_only
 def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any],
                   extras: Sequence[SummaryExtra] = ()) -> None:
     """Write ``summary.json`` into the run folder and print the end-of-run table."""
+    summary.setdefault("status", "finished")
+    _write_summary_file(cfg, summary)
     out = Path(cfg.paths.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     rows = {
         "wall time (fit)": f"{summary['fit_wall_time_s']:.1f} s ({summary['train_time_s']:.1f} s training)",
         "throughput": f"{summary['samples_per_sec']:,.0f} samples/s"

@@ -23,6 +23,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from lit_speed.config_error import RunStopped
     from lit_speed.runner import optimized_metric, train
 
     try:
@@ -34,6 +35,11 @@ def main(cfg: DictConfig) -> float | None:
             raise
         print(f"Config error: {error}", file=sys.stderr)
         sys.exit(2)
+    except RunStopped as error:  # stopped after it started (e.g. disk full): what happened, what was kept, how to go on
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise
+        print(f"Run stopped: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
     return optimized_metric(cfg, summary)
 
 

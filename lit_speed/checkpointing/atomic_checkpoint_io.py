@@ -6,9 +6,11 @@ record and checks its CRC, so truncation and bit rot are both caught before a re
 """
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -26,6 +28,46 @@ PREVIOUS_SUFFIX = ".prev"  # last.ckpt -> last.ckpt.prev: the version a save rep
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint file that is truncated, damaged or not a checkpoint at all (bad input: a ``ValueError``)."""
+
+
+#: Errors a checkpoint write meets on a full, read-only or forbidden folder (what the user can fix by making room
+#: or pointing the run elsewhere), as opposed to a bug.
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (no space, no permission, read-only folder); nothing was replaced.
+
+    Attributes:
+        path: The checkpoint that was being written.
+        needed_bytes: Its size, when known.
+        free_bytes: Free space in its folder at the time, when known.
+    """
+
+    def __init__(self, path: str | Path, cause: OSError, needed_bytes: int | None = None) -> None:
+        self.path = Path(path)
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes(self.path.parent)
+        reason = cause.strerror or str(cause)
+        sizes = ""
+        if needed_bytes is not None and self.free_bytes is not None:
+            sizes = f" (it needs {needed_bytes / 2**20:,.1f} MiB, {self.free_bytes / 2**20:,.1f} MiB free)"
+        self.message = f"could not write checkpoint {self.path}: {reason}{sizes}"
+        super().__init__(cause.errno, self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Free bytes on the filesystem of ``folder`` (or of its nearest existing parent); ``None`` if unknown."""
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
 
 
 def previous_path(path: str | Path) -> Path:
@@ -192,7 +234,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
-        write_atomically(buffer.getbuffer(), path, keep_previous=self.keep_previous, verify=self.verify)
+        try:
+            write_atomically(buffer.getbuffer(), path, keep_previous=self.keep_previous, verify=self.verify)
+        except OSError as error:  # the temporary file is gone and the previous checkpoint untouched
+            if isinstance(error, CheckpointWriteError) or error.errno not in WRITE_ERRNOS:
+                raise
+            raise CheckpointWriteError(path, error, buffer.getbuffer().nbytes) from error
 
     @override
     def load_checkpoint(self, path: str | Path, map_location: Optional[Callable] = lambda storage, loc: storage,

@@ -2,6 +2,7 @@
 non-finite reporting, and one clear line (with the fix) when a run dies of out-of-memory or a lost peer."""
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import shlex
@@ -17,8 +18,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from typing_extensions import override
 
-from lit_speed.checkpointing.atomic_checkpoint_io import AtomicCheckpointIO
-from lit_speed.checkpointing.preemption import install_stop_signal, save_interrupted
+from lit_speed.checkpointing.atomic_checkpoint_io import WRITE_ERRNOS, AtomicCheckpointIO, CheckpointWriteError
+from lit_speed.checkpointing.preemption import install_stop_signal, run_folder, save_interrupted
 from lit_speed.checkpointing.resume import (
     checkpoint_folders,
     gather_rng_states,
@@ -101,6 +102,29 @@ def command_line_overrides() -> list[str]:
         return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     except (ImportError, ValueError):
         return []
+
+
+def is_write_failure(exception: BaseException) -> bool:
+    """A checkpoint (or any file) that could not be written for lack of space or permission."""
+    return isinstance(exception, CheckpointWriteError) or (
+        isinstance(exception, OSError) and exception.errno in WRITE_ERRNOS)
+
+
+def write_failure_message(exception: OSError, trainer: "pl.Trainer") -> str:
+    """One line: what could not be written and why, the last checkpoint that verifies, and how to go on."""
+    what = str(exception) if isinstance(exception, CheckpointWriteError) else \
+        f"could not write {exception.filename or 'a file'}: {exception.strerror or exception}"
+    try:
+        last = last_good_checkpoint(checkpoint_folders(trainer))
+    except Exception as error:  # a damaged folder must not hide the original failure  # noqa: BLE001
+        last = f"none usable ({error})"
+    kept = f"the last checkpoint that verifies is {last}" if last else "no checkpoint was written before it"
+    fix = {errno.ENOSPC: "free some space (or point hydra.run.dir at a larger disk)",
+           errno.EDQUOT: "free some of your disk quota (or point hydra.run.dir elsewhere)",
+           errno.EROFS: "point hydra.run.dir at a writable folder",
+           }.get(exception.errno, "make the folder writable (or point hydra.run.dir at one you own)")
+    return (f"Stopped at step {trainer.global_step}: {what}; {kept}, intact. Fix: {fix}, then resume with "
+            f"ckpt_path=last hydra.run.dir={run_folder(trainer)}")
 
 
 def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
@@ -273,6 +297,10 @@ class FaultTolerance(Callback):
                 if trainer.is_global_zero:
                     log.warning(self.interrupted)
                 return
+        if is_write_failure(exception):
+            self.failure = write_failure_message(exception, trainer)  # type: ignore[arg-type]
+            log.error(rank_prefixed_message(self.failure, trainer.global_rank))
+            return
         kind = classify_failure(exception, trainer.world_size)
         if kind is None:
             return
@@ -309,6 +337,9 @@ class FaultTolerance(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         state = {"nonfinite_losses": self.nonfinite_losses, "first_nonfinite_loss_step": self.first_nonfinite_loss_step}
+        if self._trainer is not None:  # rows each resumable logger holds now: a resume keeps exactly these
+            state["logger_rows"] = [logger.rows_logged() if hasattr(logger, "rows_logged") else None
+                                    for logger in self._trainer.loggers]
         if self.restore_rng:
             state["rng"] = rng_state()
             # Lightning writes rank 0's callback states only; the other ranks' RNG streams differ
@@ -323,6 +354,10 @@ class FaultTolerance(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.nonfinite_losses = state_dict.get("nonfinite_losses", 0)
         self.first_nonfinite_loss_step = state_dict.get("first_nonfinite_loss_step")
+        if self._trainer is not None:  # the rows the loggers held when this checkpoint was written come back
+            for logger, rows in zip(self._trainer.loggers, state_dict.get("logger_rows") or []):
+                if rows is not None and hasattr(logger, "restore_rows"):
+                    logger.restore_rows(rows)
         if not self.restore_rng or state_dict.get("rng") is None:
             return
         state = state_dict["rng"]

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_speed.checkpointing.resume import checkpoint_folders
 from lit_speed.compat import lightning as pl_compat
 
 log = logging.getLogger(__name__)
@@ -94,8 +95,6 @@ def save_interrupted(trainer: "pl.Trainer", exception: BaseException, signum: in
     path = last_checkpoint_path(trainer)
     trainer.save_checkpoint(path)
     exception.code = 128 + int(signum)
-    folders = {Path(cb.dirpath) for cb in trainer.checkpoint_callbacks
-               if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None}
-    resume = "ckpt_path=last" if path.parent in folders else f"ckpt_path={path}"
+    resume = "ckpt_path=last" if path.parent in set(checkpoint_folders(trainer)) else f"ckpt_path={path}"
     return (f"interrupted at step {trainer.global_step}; resume with {resume} hydra.run.dir={run_folder(trainer)} "
             f"({signal.Signals(signum).name}; checkpoint {path})")

@@ -99,9 +99,11 @@ def move_aside(path: Path) -> Path | None:
 
 
 def checkpoint_folders(trainer: "pl.Trainer") -> list[Path]:
-    """The folders the Trainer's ``ModelCheckpoint`` callbacks write to (their ``dirpath``)."""
-    return [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]
+    """The folders the Trainer's ``ModelCheckpoint`` callbacks write to (their ``dirpath``); without any, the
+    ``<default_root_dir>/checkpoints`` folder where a stop on a signal saves ``last.ckpt``."""
+    folders = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks
+               if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]
+    return folders or [Path(trainer.default_root_dir) / "checkpoints"]
 
 
 def resolve_ckpt_path(ckpt_path: str | Path | None, trainer: "pl.Trainer") -> str | Path | None:

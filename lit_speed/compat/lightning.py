@@ -162,3 +162,36 @@ def setup_environment_as_ddp(strategy: DDPStrategy) -> None:
     """``DDPStrategy.setup_environment`` on a ``DeepSpeedStrategy`` subclass, skipping ``DeepSpeedStrategy``'s own
     (Lightning 2.6.6: it only adds a CUDA-accelerator check before calling ``super().setup_environment()``)."""
     DDPStrategy.setup_environment(strategy)
+
+
+# ---------------------------------------------------------------------------------------------- ModelCheckpoint
+def step_last_saved(callback: Any) -> int:
+    """The global step at which ``callback`` (a ``ModelCheckpoint``) last wrote a checkpoint file, of any kind
+    (Lightning 2.6.6 keeps it as ``_last_global_step_saved``; 0 before the first save)."""
+    return int(callback._last_global_step_saved)
+
+
+def save_last_checkpoint(callback: Any, trainer: "pl.Trainer") -> None:
+    """Write ``callback``'s ``last.ckpt`` now, exactly as ``ModelCheckpoint`` does after a top-k save (Lightning
+    2.6.6: ``_save_last_checkpoint(trainer, _monitor_candidates(trainer))``)."""
+    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def checkpoint_due(callback: Any, trainer: "pl.Trainer", hook: str) -> bool:
+    """Whether ``callback`` (a ``ModelCheckpoint``) would write a checkpoint in ``hook`` at this point of training,
+    by Lightning 2.6.6's own rules (``_should_skip_saving_checkpoint``, ``_should_save_on_train_epoch_end``,
+    ``_every_n_train_steps``, ``_every_n_epochs``), ignoring whether it saved already at this step."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    if trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+        return False
+    if hook == "on_train_batch_end":
+        n = callback._every_n_train_steps
+        return bool(n) and n > 0 and trainer.global_step % n == 0
+    epoch_due = callback._every_n_epochs >= 1 and (trainer.current_epoch + 1) % callback._every_n_epochs == 0
+    on_epoch_end = callback._should_save_on_train_epoch_end(trainer)
+    if hook == "on_train_epoch_end":
+        return on_epoch_end and epoch_due
+    if hook == "on_validation_end":
+        return not on_epoch_end and epoch_due
+    return hook == "on_train_end"

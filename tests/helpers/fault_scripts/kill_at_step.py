@@ -5,6 +5,7 @@ PYTHONPATH): ``+callbacks.kill._target_=tests.helpers.fault_scripts.kill_at_step
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import signal
@@ -48,7 +49,19 @@ class _KillBeforeRename:
         os.replace(src, dst)
 
 
-MODES = ("step", "before_rename", "sigterm", "sigusr1", "in_zero_last_save")
+class _DiskFull:
+    """Stands in for the ``os`` module inside atomic_checkpoint_io: every call passes through, except that flushing
+    a temporary checkpoint to disk fails as on a full disk (after its bytes were partly written)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    @staticmethod
+    def fsync(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+MODES = ("step", "before_rename", "sigterm", "sigusr1", "in_zero_last_save", "disk_full")
 SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": getattr(signal, "SIGUSR1", None)}
 
 
@@ -62,7 +75,8 @@ class KillAtStep(Callback):
             save, after the temporary file is written and before it replaces the old checkpoint; ``"sigterm"``
             and ``"sigusr1"`` send that signal instead of SIGKILL (a scheduler's polite stop), once;
             ``"in_zero_last_save"`` kills inside the next DeepSpeed save of ``last.ckpt/``, leaving its
-            ``optim_states.pt`` truncated (DeepSpeed writes its folders file by file).
+            ``optim_states.pt`` truncated (DeepSpeed writes its folders file by file); ``"disk_full"`` makes every
+            later checkpoint write fail with ENOSPC (no space left on device).
     """
 
     def __init__(self, step: int, rank: int = 0, mode: str = "step") -> None:
@@ -80,6 +94,9 @@ class KillAtStep(Callback):
         if self.mode in SIGNALS:
             if trainer.global_step == self.step:  # once: the run stops at the end of this batch
                 os.kill(os.getpid(), SIGNALS[self.mode])
+            return
+        if self.mode == "disk_full":  # from this step on, every checkpoint write finds the disk full
+            atomic_io.os = _DiskFull()
             return
         if self.mode == "in_zero_last_save":
             torch.save = _truncate_and_kill_in_last_optim_save(torch.save)
