@@ -44,6 +44,11 @@ def _explain(override: str, cfg_without: DictConfig | None, config_dir: Path) ->
     parent = OmegaConf.select(cfg_without, parent_key) if (cfg_without is not None and parent_key) else cfg_without
     if isinstance(parent, DictConfig):
         keys = [str(k) for k in parent.keys()]
+        if leaf not in keys and parent_key and (config_dir / leaf).is_dir():  # trainer.precision: a group of its own
+            choices = group_options(leaf, config_dir)
+            fix = f"{leaf}={value}" if value in choices else f"{leaf}=<one of {', '.join(choices)}>"
+            return (f"{key}={value}: {leaf} is chosen by its own config group, not under {parent_key!r} (lit_speed "
+                    f"hands the {leaf} object to the Trainer). Fix: {fix}")
         if leaf not in keys:
             near = difflib.get_close_matches(leaf, keys, n=3)
             hint = f" Did you mean {' or '.join(f'{parent_key}.{n}' if parent_key else n for n in near)}?" if near else ""
@@ -114,11 +119,35 @@ def check_trainer_types(cfg: DictConfig, group: str = "trainer") -> None:
                               f"got {type(value).__name__}. Fix: {group}.{key}=<a value of that type>")
 
 
+def check_output_dirs(argv: list[str]) -> None:
+    """``hydra.run.dir=`` / ``hydra.sweep.dir=`` given on the command line can be created (Hydra creates them first
+    thing, and a folder it cannot create ends in a traceback). Values with ``${...}`` are left to Hydra."""
+    import os
+
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value or "${" in value:
+            continue
+        path = Path(value).expanduser()
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        try:
+            if existing is not None and not existing.is_dir():
+                raise NotADirectoryError(f"{existing} is a file")
+            path.mkdir(parents=True, exist_ok=True)  # what Hydra does next; an empty folder is all it leaves
+            if not os.access(path, os.W_OK):
+                raise PermissionError(f"{path} is not writable")
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise ConfigError(f"{key}={value}: the run folder cannot be created or written ({reason}). Fix: "
+                              f"{key}=<a folder you can write to>, e.g. {key}=logs/my_run") from None
+
+
 def preflight(argv: list[str], config_name: str = "train", config_dir: Path = CONFIG_DIR) -> DictConfig:
     """Compose the config the way ``scripts/train.py`` will; raise :class:`ConfigError` with a fix on failure.
 
     Only plain overrides are checked (``hydra.*`` settings and flags are Hydra's own business).
     """
+    check_output_dirs(argv)
     overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
     from lit_speed.run_checks import check_config  # imported on use: it loads torch
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_speed.config_error import ConfigError
 
@@ -126,9 +126,64 @@ def warn_renamed_options(cfg: DictConfig) -> None:
                                   f"was renamed {new!r}. Fix: callbacks=[...,{new}] and callbacks.{new}.<key>=<value>")
 
 
+def check_interpolations(cfg: DictConfig) -> None:
+    """Every ``${...}`` in the config points at a key that exists (``${hydra:...}``, known only inside the job, and
+    values resolved through it are left to the job).
+
+    Raises:
+        ConfigError: Naming the key, its value and what it points at.
+    """
+    from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
+
+    def walk(node: Any, path: str) -> None:
+        keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+        for key in keys:
+            where = f"{path}.{key}" if path else str(key)
+            if where == "hydra" or where.startswith("hydra."):
+                continue
+            raw = OmegaConf.to_container(node, resolve=False)[key]  # type: ignore[index]
+            if isinstance(raw, str) and "${hydra:" in raw:
+                continue
+            try:
+                value = node[key]
+            except InterpolationKeyError as error:
+                missing = str(error).split("'")[1] if "'" in str(error) else str(error)
+                raise ConfigError(f"{where}={raw}: the interpolation points at '{missing}', which the config does not "
+                                  f"have. Fix: {where}=<a value>, or an interpolation of a key that exists") from None
+            except InterpolationResolutionError:  # e.g. ${paths.output_dir} -> ${hydra:...}: resolved in the job
+                continue
+            if isinstance(value, (DictConfig, ListConfig)):
+                walk(value, where)
+
+    walk(cfg, "")
+
+
+def check_precision_strategy(cfg: DictConfig) -> None:
+    """Refuse, before any process starts, a precision mode the configured strategy cannot run (bf16-master on
+    several processes); ``GuardedPrecision`` would refuse it too, but only in every started process."""
+    precision, strategy, trainer = cfg.get("precision"), cfg.get("strategy"), cfg.get("trainer")
+    if not isinstance(precision, DictConfig) or precision.get("mode") != "bf16-master":
+        return
+    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else ""
+    if target.endswith("ZeroStrategy"):
+        return  # DeepSpeed's bf16 keeps the float32 masters itself
+    devices = trainer.get("devices") if isinstance(trainer, DictConfig) else 1
+    nodes = trainer.get("num_nodes", 1) if isinstance(trainer, DictConfig) else 1
+    world = devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None
+    multi = any(name in target for name in ("DDP", "FSDP", "ModelParallel")) or (world is not None and world > 1)
+    if multi:
+        name = target.rsplit(".", 1)[-1] or "the default strategy"
+        raise ConfigError(f"precision=bf16-master with {name} on {world or 'several'} processes: bf16-master runs on "
+                          "one process for now (its gradient hook moves each bf16 gradient into the float32 master "
+                          "before DDP could all-reduce it). Fix: precision=bf16-mixed for multi-process runs, or "
+                          "strategy=zero2 (DeepSpeed keeps float32 masters itself), or trainer.devices=1")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Every config-only check; raises :class:`ConfigError` on the first failure, warns on renamed options."""
+    check_interpolations(cfg)
     warn_renamed_options(cfg)
+    check_precision_strategy(cfg)
     check_data_model(cfg)
     seed = cfg.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):

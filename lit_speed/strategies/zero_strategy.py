@@ -130,6 +130,8 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         if plugin is not None and not isinstance(plugin, DeepSpeedPrecision):
             literal = getattr(plugin, "precision", None)
+            if literal == "bf16-master":  # DeepSpeed's bf16 is bf16-master: bf16 module, float32 masters in ZeRO
+                literal = "bf16-mixed"
             if literal not in PRECISIONS:
                 raise ValueError(f"ZeroStrategy needs a precision plugin whose .precision is one of {PRECISIONS}, "
                                  f"got {type(plugin).__name__} with precision={literal!r}")
@@ -264,8 +266,12 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
                                                 f"({est.offloaded_bytes / 1e6:.2f} in host RAM; DDP: "
                                                 f"{ddp.total_bytes / 1e6:.2f})")
         if self._source_precision is not None:
+            source = getattr(self._source_precision, "precision", "")
             rows["zero precision"] = (f"{type(self._source_precision).__name__} -> DeepSpeed "
-                                      f"{self.precision_plugin.precision}")
+                                      f"{self.precision_plugin.precision}" + (
+                                          " (DeepSpeed's bf16: a bf16 module with float32 master weights and optimizer "
+                                          "state in the ZeRO optimizer, i.e. bf16-master)"
+                                          if source == "bf16-master" else ""))
         return rows
 
     def final_summary(self) -> dict[str, Any]:

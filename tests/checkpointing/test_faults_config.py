@@ -15,11 +15,14 @@ from subprocess import CompletedProcess
 from tempfile import mkdtemp
 
 import pytest
+import torch
 
 from tests.helpers.fault_scripts.runs import explain, train
 
 DAMAGED = Path(mkdtemp(prefix="damaged_ckpt_")) / "damaged.ckpt"
 DAMAGED.write_bytes(b"not a torch.save archive")
+STRAY = Path(mkdtemp(prefix="stray_pt_")) / "final.pt"  # a valid torch file in a folder DeepSpeed did not write
+torch.save({"w": torch.zeros(2)}, STRAY)
 
 # name: (overrides, what the message must say, slow?)
 CASES = {
@@ -79,6 +82,19 @@ CASES = {
     "block_size_beyond_memory": (["experiment=charlm_cpu", "data.block_size=100000"],
                                  r"data\.block_size=100000 x data\.batch_size=12: activations need about .* GiB "
                                  r"\(planner estimate\)", True),
+    # issue 28: command lines that still ended in a traceback, or were refused only after the processes started
+    "interpolation_to_a_missing_key": (["optimizer.lr=${nonexistent.key}"],
+                                       r"optimizer\.lr=\$\{nonexistent\.key\}: the interpolation points at "
+                                       r"'nonexistent\.key'.*Fix", False),
+    "folder_with_a_stray_file_as_checkpoint": ([f"ckpt_path={STRAY.parent}"],
+                                               r"is a folder, not a checkpoint \(it holds final\.pt\)\. Fix", True),
+    "precision_under_trainer": (["trainer.precision=bf16-mixed"],
+                                r"precision is chosen by its own config group.*Fix: precision=bf16-mixed", True),
+    "run_dir_not_creatable": (["hydra.run.dir=/proc/forbidden"],
+                              r"hydra\.run\.dir=/proc/forbidden: the run folder cannot be created.*Fix", True),
+    "bf16_master_on_two_processes": (["precision=bf16-master", "strategy=ddp", "trainer=ddp_cpu", "trainer.devices=2"],
+                                     r"precision=bf16-master with DDPStrategy on 2 processes.*Fix: "
+                                     r"precision=bf16-mixed", True),
 }
 
 
