@@ -181,10 +181,10 @@ def check_precision_strategy(cfg: DictConfig) -> None:
 
 def check_config(cfg: DictConfig) -> None:
     """Every config-only check; raises :class:`ConfigError` on the first failure, warns on renamed options."""
-    check_interpolations(cfg)
     warn_renamed_options(cfg)
+    check_data_model(cfg)  # first: a model without its data also leaves ${data.*} interpolations dangling
+    check_interpolations(cfg)
     check_precision_strategy(cfg)
-    check_data_model(cfg)
     seed = cfg.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"seed={seed!r}: expected an integer or null. Fix: seed=42 (or seed=null for no seeding)")
