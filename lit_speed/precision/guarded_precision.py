@@ -427,7 +427,8 @@ class GuardedPrecision(Precision):
             self._pending_scaler_state = state_dict["scaler"]
             if self.device_type is not None:
                 self._make_scaler()
-        rank_zero_info(f"GuardedPrecision: resumed in {self.mode} ({self.counters.skipped_steps} skipped steps)")
+        why = f"{self.reason}; " if reused or self.counters.fallbacks else ""
+        rank_zero_info(f"GuardedPrecision: resumed in {self.mode} ({why}{self.counters.skipped_steps} skipped steps)")
 
     def describe(self) -> dict[str, str]:
         """Rows for the start-up table (before setup, ``auto`` shows the probe's guess and what setup will time)."""

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_speed.precision.nonfinite import Action, GuardCounters, decide
+from lit_speed.precision.skip_aware_scheduler import SkipAwareScheduler
 
 
 def poison_nonfinite_loss(loss: torch.Tensor) -> torch.Tensor:
@@ -44,6 +45,7 @@ class GuardedDeepSpeedPrecision(DeepSpeedPrecision):
         self.source = source
         counters = getattr(source, "counters", None)
         self.counters: GuardCounters = counters if isinstance(counters, GuardCounters) else GuardCounters()
+        self.last_step_skipped = False  # read by the LR-scheduler wrapper: no schedule step for a discarded step
 
     @override
     def backward(self, tensor: torch.Tensor, model: "pl.LightningModule", optimizer: Any, *args: Any,
@@ -53,7 +55,11 @@ class GuardedDeepSpeedPrecision(DeepSpeedPrecision):
     @override
     def optimizer_step(self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any],
                        **kwargs: Any) -> Any:
-        engine = model.trainer.model
+        trainer = model.trainer
+        for config in trainer.lr_scheduler_configs:  # Lightning steps the schedule after a discarded step too (#18828)
+            if not isinstance(config.scheduler, SkipAwareScheduler):
+                config.scheduler = SkipAwareScheduler(config.scheduler, lambda: self.last_step_skipped)
+        engine = trainer.model
         zero_optimizer = getattr(engine, "optimizer", None)
         if hasattr(zero_optimizer, "check_grad_overflow"):  # stages 1/2 leave it off for fp32
             zero_optimizer.check_grad_overflow = True
@@ -62,6 +68,7 @@ class GuardedDeepSpeedPrecision(DeepSpeedPrecision):
         result = super().optimizer_step(optimizer, model, closure, **kwargs)
         if boundary:
             bad = engine.skipped_steps > skipped_before
+            self.last_step_skipped = bad
             action = decide(self.counters, bad, True, "skip", 1, False)
             if action is Action.SKIP and self.counters.skipped_steps == 1:
                 rank_zero_warn(f"GuardedPrecision under ZeRO: a non-finite loss or gradient at step "

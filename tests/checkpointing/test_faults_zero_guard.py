@@ -109,3 +109,50 @@ def test_a_nonfinite_loss_is_poisoned_so_every_gradient_is_nan():
     poison_nonfinite_loss(w.sum() + float("nan")).backward()
     assert torch.isnan(w.grad).all()
     assert torch.equal(poison_nonfinite_loss(torch.tensor(2.0)), torch.tensor(2.0))
+
+
+class InjectingWithSchedule(Injecting):
+    """``Injecting`` with a per-step LR schedule that records how often it stepped."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_lr_schedule_does_not_advance_on_a_step_zero_discarded(tmp_path, stage):
+    """Lightning #18828 under ZeRO: 5 steps, 2 discarded (NaN loss, inf gradient): the schedule advanced 3 times."""
+    guard = GuardedPrecision("32-true", on_nonfinite="skip")
+    module = InjectingWithSchedule(offload=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=stage, precision_plugin=guard),
+                         max_steps=STEPS, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
+                         default_root_dir=tmp_path)
+    trainer.fit(module)
+    assert guard.counters.skipped_steps == 2
+    assert module.scheduler.last_epoch == STEPS - 2
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 / (STEPS - 2 + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_nan_on_one_of_two_processes_discards_the_step_on_both(tmp_path, stage):
+    """ZeRO's overflow check is all-reduced over the ranks: rank 1's NaN loss at step 2 skips the step everywhere,
+    the schedule holds on both, and the ranks end with the same weights."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers.zero import clean_env
+
+    script = Path(__file__).resolve().parents[1] / "helpers" / "zero_guard_2p.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--stage", str(stage)],
+                          capture_output=True, text=True, env=clean_env(OMP_NUM_THREADS="1"), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert rank["changed"] == [True, True, False, True, True]
+        assert rank["skipped"] == 1 and rank["schedule_steps"] == 4
+    assert ranks[0]["weights"] == ranks[1]["weights"]
