@@ -55,7 +55,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data)
-    optimizer = hydra.utils.instantiate(cfg.optimizer)
+    # plain Python values (betas as a tuple, not a ListConfig): optimizer param groups are saved in every
+    # checkpoint, and an OmegaConf object there makes it unloadable with torch.load(weights_only=True)
+    optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all")
     model: pl.LightningModule = hydra.utils.instantiate(cfg.model, optimizer=optimizer)
     # the model knows which metric it reports; the config may override it
     declared = model if isinstance(model, MonitoredModel) else None

@@ -193,7 +193,18 @@ def write_atomically(data: bytes | memoryview, path: str | Path, keep_previous: 
             f.flush()
             os.fsync(f.fileno())
         if verify:
-            verify_checkpoint(tmp)
+            try:
+                verify_checkpoint(tmp)
+            except CorruptCheckpointError as error:
+                unsafe = unsafe_globals(tmp) if "holds objects" in str(error) else []
+                if not unsafe:
+                    raise
+                raise CorruptCheckpointError(
+                    f"Refusing to write checkpoint {path}: it would hold objects other than tensors and plain data "
+                    f"({', '.join(unsafe[:6])}), which a safe load (torch.load(weights_only=True)) refuses. "
+                    "Fix: keep plain Python values in the module's and callbacks' state (e.g. hyperparameters "
+                    "given as OmegaConf containers: convert them with OmegaConf.to_container), or register the "
+                    "class with torch.serialization.add_safe_globals") from None
         if keep_previous and path.is_file():
             link_tmp = path.with_name(f".{path.name}.prev-{os.getpid()}")
             link_tmp.unlink(missing_ok=True)

@@ -70,6 +70,8 @@ class KillAtStep(Callback):
 
     Args:
         step: Optimizer step after which to die.
+        batch: Die after this many training batches of this process instead (counts the micro-batches inside an
+            accumulation window, so a signal can land mid-window).
         rank: Global rank that dies (the others are left to notice).
         mode: ``"step"`` kills right after the batch; ``"before_rename"`` kills inside the next checkpoint
             save, after the temporary file is written and before it replaces the old checkpoint; ``"sigterm"``
@@ -79,20 +81,25 @@ class KillAtStep(Callback):
             later checkpoint write fail with ENOSPC (no space left on device).
     """
 
-    def __init__(self, step: int, rank: int = 0, mode: str = "step") -> None:
+    def __init__(self, step: int = -1, rank: int = 0, mode: str = "step", batch: int | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.step, self.rank, self.mode = step, rank, mode
+        self.step, self.rank, self.mode, self.batch = step, rank, mode, batch
+        self._batches = 0  # training batches ended in this process (micro-batches: inside accumulation windows too)
+        self._fired = False
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        if trainer.global_rank != self.rank or trainer.global_step < self.step:
+        self._batches += 1
+        reached = self._batches >= self.batch if self.batch is not None else trainer.global_step >= self.step
+        if trainer.global_rank != self.rank or not reached:
             return
         if self.mode == "step":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.mode in SIGNALS:
-            if trainer.global_step == self.step:  # once: the run stops at the end of this batch
+            if not self._fired:  # once: the run stops at the end of this batch
+                self._fired = True
                 os.kill(os.getpid(), SIGNALS[self.mode])
             return
         if self.mode == "disk_full":  # from this step on, every checkpoint write finds the disk full

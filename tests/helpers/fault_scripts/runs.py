@@ -31,10 +31,12 @@ def train(args: list[str], run_dir: Path, timeout: float = 600, script: str | No
     return subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
-def kill_at(step: int, rank: int = 0, mode: str = "step") -> list[str]:
-    """Overrides that add :class:`kill_at_step.KillAtStep` to a run."""
+def kill_at(step: int = -1, rank: int = 0, mode: str = "step", batch: int | None = None) -> list[str]:
+    """Overrides that add :class:`kill_at_step.KillAtStep` to a run (at an optimizer ``step``, or after ``batch``
+    training batches)."""
     return ["+callbacks.kill._target_=tests.helpers.fault_scripts.kill_at_step.KillAtStep",
-            f"+callbacks.kill.step={step}", f"+callbacks.kill.rank={rank}", f"+callbacks.kill.mode={mode}"]
+            f"+callbacks.kill.step={step}", f"+callbacks.kill.rank={rank}", f"+callbacks.kill.mode={mode}"] + (
+        [f"+callbacks.kill.batch={batch}"] if batch is not None else [])
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:

@@ -1,0 +1,128 @@
+"""The resume matrix, generated from the config groups: every option a user can select resumes bitwise.
+
+For every shipped ``experiment=`` preset and every ``optimizer=``, ``precision=`` and ``accumulation=`` option
+(read from ``conf/<group>/*.yaml`` when the tests are collected, so an option added tomorrow joins the matrix
+without editing this file), a short deterministic CPU run is
+
+- SIGKILLed at an optimizer step just after a mid-epoch checkpoint (checkpoints every 2 optimizer steps), and
+- for the options that accumulate gradients, also stopped by SIGTERM *inside* an accumulation window (the
+  checkpoint FaultTolerance writes then holds the partial window's gradients),
+
+then resumed with ``ckpt_path=last`` into the same run folder, and its final checkpoint (weights and optimizer
+state) must be bitwise equal to an uninterrupted run's. One option varies at a time from the default
+(digits + MLP); presets run as shipped, shrunk to a few steps. One process (multi-process resumes:
+``test_faults_resume.py``). ``precision=auto`` is compared with an uninterrupted run in the mode it chose (a run
+that times its own step may choose differently from another run on a busy machine; that auto's run equals the
+chosen mode's run is tested in ``tests/precision/test_auto.py``).
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
+from tests.helpers.fault_scripts.runs import ROOT, explain, kill_at, train
+
+CONF = ROOT / "conf"
+DEFAULTS = {"optimizer": "adamw", "precision": "32-true", "accumulation": "none"}
+
+# digits + MLP: 3 epochs of 8 batches, a checkpoint every 2 optimizer steps (mid-epoch), deterministic
+DIGITS = ["trainer.max_epochs=3", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
+          "trainer.num_sanity_val_steps=0", "trainer.deterministic=true", "seed=7",
+          "callbacks=[model_checkpoint,fault_tolerance]", "callbacks.model_checkpoint.every_n_train_steps=2",
+          "logger=none", "validate=false", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+# a preset shrunk to 12 optimizer steps on a small corpus, validated (and checkpointed) every few steps
+PRESET = ["trainer.max_steps=12", "trainer.val_check_interval=4", "trainer.limit_val_batches=2",
+          "trainer.num_sanity_val_steps=0", "trainer.deterministic=true", "seed=7", "data.max_bytes=300000",
+          "callbacks=[model_checkpoint,fault_tolerance]", "callbacks.model_checkpoint.every_n_train_steps=2",
+          "logger=none", "validate=false", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+# windows early enough for a few-step run: digits 64 -> 128 samples per step from step 2; presets 12 -> 24 at 4
+ACCUMULATION = {"fixed": ["accumulation.factors=[[0,4]]"],
+                "ramp": ["accumulation.effective_batch=[[0,64],[2,128]]"]}
+PRESET_ACCUMULATION = ["accumulation.effective_batch=[[0,12],[4,24]]"]
+# SIGTERM after this many training batches lands inside a window: fixed 4 -> batch 14 is the 2nd of the window
+# 13-16; ramp 1,1 then 2 per step -> batch 9 opens the window 9-10; presets 1 x4 then 2 -> batch 7 opens 7-8
+MID_WINDOW = {"fixed": 14, "ramp": 9, "preset": 7}
+KILL_STEP = {"none": 13, "fixed": 4, "ramp": 7, "preset": 7}  # odd: the checkpoint before it is one step back
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def _preset_accumulates(preset: str) -> bool:
+    text = (CONF / "experiment" / f"{preset}.yaml").read_text()
+    return "override /accumulation:" in text and "override /accumulation: none" not in text
+
+
+def _cases() -> list:
+    cases = []
+    seen = set()
+    for group in ("optimizer", "precision", "accumulation"):
+        for option in options(group):
+            if option == DEFAULTS[group] and "default" in seen:
+                continue
+            seen.add("default" if option == DEFAULTS[group] else f"{group}={option}")
+            overrides = [f"{group}={option}"] + (ACCUMULATION.get(option, []) if group == "accumulation" else [])
+            schedule = option if group == "accumulation" and option in ACCUMULATION else "none"
+            name = "default" if option == DEFAULTS[group] else f"{group}={option}"
+            cases.append(pytest.param(DIGITS + overrides, KILL_STEP[schedule], None, id=f"{name}-sigkill",
+                                      marks=[pytest.mark.slow]))
+            if schedule != "none":
+                cases.append(pytest.param(DIGITS + overrides, None, MID_WINDOW[schedule], id=f"{name}-sigterm-mid-window",
+                                          marks=[pytest.mark.slow]))
+    for preset in options("experiment"):
+        overrides = [f"experiment={preset}", *PRESET] + (PRESET_ACCUMULATION if _preset_accumulates(preset) else [])
+        cases.append(pytest.param(overrides, KILL_STEP["preset"], None, id=f"experiment={preset}-sigkill",
+                                  marks=[pytest.mark.slow]))
+        if _preset_accumulates(preset):
+            cases.append(pytest.param(overrides, None, MID_WINDOW["preset"],
+                                      id=f"experiment={preset}-sigterm-mid-window", marks=[pytest.mark.slow]))
+    return cases
+
+
+CASES = _cases()
+
+
+def _precision_mode(checkpoint: Path) -> str:
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["GuardedPrecision"]["mode"]
+
+
+@pytest.mark.parametrize("args, kill_step, term_batch", CASES)
+def test_killed_run_resumes_bitwise_like_the_uninterrupted_run(tmp_path: Path, args: list[str], kill_step: int | None,
+                                                               term_batch: int | None) -> None:
+    auto = "precision=auto" in args
+    stop = kill_at(kill_step) if kill_step is not None else kill_at(mode="sigterm", batch=term_batch)
+    jobs = [(args + stop, tmp_path / "run")] + ([] if auto else [(args, tmp_path / "reference")])
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        stopped, *reference = list(pool.map(lambda job: train(*job), jobs))
+    expected_exit = -9 if kill_step is not None else 128 + 15
+    assert stopped.returncode == expected_exit, explain(stopped)
+    if term_batch is not None:
+        assert "interrupted at step" in stopped.stdout + stopped.stderr, explain(stopped)
+
+    resumed = train(args + ["ckpt_path=last"], tmp_path / "run")
+    assert resumed.returncode == 0, explain(resumed)
+    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr, explain(resumed)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    if auto:  # the uninterrupted run of the mode this run chose (and kept over the resume: not timed again)
+        chosen = _precision_mode(last)
+        assert "restored from the checkpoint (not timed again)" in resumed.stdout + resumed.stderr, explain(resumed)
+        reference = [train([a.replace("precision=auto", f"precision={chosen}") for a in args], tmp_path / "reference")]
+    assert reference[0].returncode == 0, explain(reference[0])
+    diffs = max_abs_differences(tmp_path / "reference" / "checkpoints" / "last.ckpt", last)
+    different = {k: v for k, v in diffs.items() if v != 0.0}
+    assert not different, f"{len(different)}/{len(diffs)} tensors differ from the uninterrupted run: {different}"
+
+
+def test_the_matrix_covers_every_option_of_the_groups() -> None:
+    ids = {p.id for p in CASES}
+    for group in ("optimizer", "precision", "accumulation"):
+        for option in options(group):
+            name = "default" if option == DEFAULTS[group] else f"{group}={option}"
+            assert f"{name}-sigkill" in ids
+    for preset in options("experiment"):
+        assert f"experiment={preset}-sigkill" in ids
