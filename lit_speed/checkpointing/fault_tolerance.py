@@ -26,6 +26,7 @@ from lit_speed.checkpointing.resume import (
     inexact_mid_epoch_resume,
     last_good_checkpoint,
     prefetched_batches,
+    rebuild_next_epochs_iterator,
     recreate_train_iterator,
     redraw_prefetched_batch,
     rng_state,
@@ -226,6 +227,11 @@ class FaultTolerance(Callback):
         # from it to the next batch, without building an iterator (whose base seed is drawn from the RNG).
         # An unsized loader (IterableDataset) had drawn one batch ahead when the checkpoint was written: draw it
         # again from the state before that fetch, then go on from the checkpoint's state.
+        # Written at an epoch's last batch: Lightning goes straight on to the next epoch, whose iterator the
+        # uninterrupted run built after the checkpoint (from its RNG state), not before it: exact for any loader.
+        if self._restored_rng is not None and rebuild_next_epochs_iterator(trainer, self._restored_rng):
+            self._restored_rng, self._stale_train_iterator, self._restored_rng_before_fetch = None, False, None
+            return
         if trainer.fit_loop.restarted_mid_epoch:
             problem = inexact_mid_epoch_resume(trainer)
             if problem is not None:

@@ -204,6 +204,18 @@ def recreate_train_iterator(trainer: "pl.Trainer") -> None:
     lightning_data.recreate_train_iterator(trainer)
 
 
+def rebuild_next_epochs_iterator(trainer: "pl.Trainer", state: dict[str, Any]) -> bool:
+    """Resumed from a checkpoint written at an epoch's last training batch: build the next epoch's iterator as
+    the uninterrupted run did, after its ``set_epoch`` and from the RNG ``state`` of the checkpoint (Lightning
+    built one right after the restore, for the old sampler epoch). Returns whether this was that case."""
+    if not lightning_data.restarted_after_an_epochs_last_batch(trainer):
+        return False
+    lightning_data.set_train_sampler_epoch(trainer, trainer.fit_loop.epoch_progress.current.processed)
+    set_rng_state(state)
+    lightning_data.recreate_train_iterator(trainer)
+    return True
+
+
 def snapshot_rng_before_each_fetch(trainer: "pl.Trainer", snapshot: Callable[[], None]) -> None:
     """Call ``snapshot()`` right before the fit loop fetches each training batch (private fit-loop detail,
     Lightning 2.6.6: ``_TrainingEpochLoop.on_run_start`` hands its ``_on_before_fetch`` to the data fetcher).

@@ -27,6 +27,26 @@ def recreate_train_iterator(trainer: "pl.Trainer") -> None:
         iter(fetcher)
 
 
+def restarted_after_an_epochs_last_batch(trainer: "pl.Trainer") -> bool:
+    """Whether this fit resumed from a checkpoint written in ``on_train_batch_end`` of an epoch's last batch
+    (e.g. ``ModelCheckpoint(every_n_train_steps=...)`` landing there). Lightning 2.6.6 ``FitLoop.reset`` then
+    counts that epoch as done and goes on with the iterator ``FitLoop.setup_data`` built right after the
+    restore, before the next epoch's ``set_epoch``; it calls no ``on_train_epoch_start`` for the next epoch."""
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    return bool(fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
+                and epoch_loop.batch_progress.is_last_batch)
+
+
+def set_train_sampler_epoch(trainer: "pl.Trainer", epoch: int) -> None:
+    """``set_epoch(epoch)`` on the training loaders' samplers, as ``FitLoop.on_advance_start`` does."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    loader = trainer.fit_loop._combined_loader
+    for dataloader in (loader.flattened if loader is not None else []):
+        _set_sampler_epoch(dataloader, epoch)
+
+
 def call_before_each_unsized_fetch(trainer: "pl.Trainer", callback: Callable[[], None]) -> None:
     """Call ``callback()`` right before the fit loop fetches each training batch from a loader without a length
     (the prefetched kind). ``_TrainingEpochLoop.on_run_start`` hands ``epoch_loop._on_before_fetch`` to the data

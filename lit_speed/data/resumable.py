@@ -10,12 +10,13 @@ it is transferred for training (:meth:`ResumableShuffle.mark_used`), not when a 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
 from lit_speed.data.pipeline import apply_batch_transform
 
@@ -30,8 +31,10 @@ class ResumableShuffleSampler(DistributedSampler):
 
     A ``DistributedSampler`` subclass so that Lightning leaves it in place under DDP: each rank takes every
     ``world_size``-th index of the epoch's permutation (padded by wrapping, as ``DistributedSampler`` does).
-    The built-in DataModules use it on one process only (see :meth:`ResumableShuffle.sampler_for`).
-    Use with ``DataLoader(BatchFetch(dataset), sampler=sampler, batch_size=None)``.
+    On several processes the permutation is ``DistributedSampler``'s own (``randperm`` seeded with ``seed + epoch``,
+    no draw from the global RNG, whose streams may differ between ranks), so every rank agrees on it and the
+    batches are those plain DDP serves for ``shuffle=True``; on one process the epoch seed is drawn like
+    ``RandomSampler`` draws it. Use with ``DataLoader(BatchFetch(dataset), sampler=sampler, batch_size=None)``.
 
     Args:
         n: Dataset size.
@@ -39,12 +42,15 @@ class ResumableShuffleSampler(DistributedSampler):
         drop_last: Drop each epoch's last, smaller batch.
         rank: This process's rank.
         world_size: Number of processes.
+        seed: The shared seed of the permutations on several processes (Lightning passes ``PL_GLOBAL_SEED`` to the
+            ``DistributedSampler`` it injects); unused on one process.
     """
 
-    def __init__(self, n: int, batch_size: int, drop_last: bool = False, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, n: int, batch_size: int, drop_last: bool = False, rank: int = 0, world_size: int = 1,
+                 seed: int = 0) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        super().__init__(range(n), num_replicas=world_size, rank=rank, shuffle=True, drop_last=False)
+        super().__init__(range(n), num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False)
         self.n, self.batch_size, self.drop_batch = n, batch_size, drop_last
         self.per_rank = math.ceil(n / world_size)
         self.batches_per_epoch = self.per_rank // batch_size if drop_last else math.ceil(self.per_rank / batch_size)
@@ -60,7 +66,8 @@ class ResumableShuffleSampler(DistributedSampler):
         if self._resume and self.epoch == self.used_epoch and self.epoch_seed is not None:
             start = self.used_in_epoch
         else:
-            self._resume, self.epoch_seed, self.used_epoch, self.used_in_epoch, start = False, draw_seed(), self.epoch, 0, 0
+            seed = draw_seed() if self.num_replicas == 1 else self.seed + self.epoch
+            self._resume, self.epoch_seed, self.used_epoch, self.used_in_epoch, start = False, seed, self.epoch, 0, 0
         perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch_seed))
         if self.num_replicas > 1:
             padded = torch.cat([perm, perm[: self.per_rank * self.num_replicas - self.n]])
@@ -99,14 +106,14 @@ class ResumableShuffle:
         self._pending: dict[str, Any] | None = None
 
     def sampler_for(self, n: int, batch_size: int, drop_last: bool, trainer: "pl.Trainer | None") -> Sampler:
-        """The training batch sampler: resumable on one process. With several, the ``RandomSampler`` batches
-        Lightning shards itself (as before; resuming those mid-epoch is not exact, and FaultTolerance says so)."""
+        """The training batch sampler, resumable mid-epoch on one process and on several (where it serves the
+        batches Lightning's injected ``DistributedSampler`` would: seeded with ``PL_GLOBAL_SEED`` + epoch)."""
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        if world > 1:
-            return BatchSampler(RandomSampler(range(n)), batch_size, drop_last=drop_last)
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         s = self.sampler
-        if s is None or (s.n, s.batch_size, s.drop_batch, s.rank, s.num_replicas) != (n, batch_size, drop_last, rank, world):
-            self.sampler = ResumableShuffleSampler(n, batch_size, drop_last, rank, world)
+        if s is None or (s.n, s.batch_size, s.drop_batch, s.rank, s.num_replicas, s.seed) != (
+                n, batch_size, drop_last, rank, world, seed):
+            self.sampler = ResumableShuffleSampler(n, batch_size, drop_last, rank, world, seed)
             if self._pending is not None:
                 self._load(self._pending)
         return self.sampler

@@ -110,3 +110,48 @@ def test_a_plain_shuffled_loader_says_at_resume_that_it_is_not_exact(tmp_path):
     with pytest.warns(UserWarning, match=r"mid-epoch resume is not exact: the loader of list restarts its epoch "
                                          r"with RandomSampler.*Fix: a sampler with state_dict"):
         fit(CKPT_STEP + 2, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+
+
+class ValidatedLM(TinyLM):
+    """nanoGPT's setup: training *and* validation batches drawn from the same global numpy RNG, the
+    checkpoint written by ``ModelCheckpoint(monitor="val_loss")`` after each validation."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.head(self.emb(x)).flatten(0, 1), y.flatten()))
+
+    def val_dataloader(self):
+        return DataLoader(RandomWindows(self.rng), batch_size=4)
+
+
+VAL_EVERY, VAL_STOP, VAL_STEPS = 6, 9, 14  # checkpoints at validation (steps 6, 12); stopped at 9, resumed from 6
+
+
+def _fit_validated(root, max_steps, ckpt_path=None, restore_rng=True):
+    pl.seed_everything(0)
+    model = ValidatedLM("numpy")
+    trainer = pl.Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         deterministic=True, default_root_dir=root, val_check_interval=VAL_EVERY,
+                         check_val_every_n_epoch=None, limit_val_batches=3, num_sanity_val_steps=0,
+                         callbacks=[ModelCheckpoint(dirpath=root / "ckpt", monitor="val_loss", save_last=True),
+                                    FaultTolerance(restore_rng=restore_rng)])
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.mark.parametrize("restore_rng", [True, False], ids=["rng-saved", "rng-not-saved"])
+def test_checkpoint_written_at_validation_resumes_bitwise_although_validation_drew_from_the_same_rng(tmp_path,
+                                                                                                  restore_rng):
+    # the prefetched training batch was drawn *before* validation drew its 3 batches: the resume draws it again
+    # from the state before that fetch, then goes on from the state after validation, as the uninterrupted run did
+    reference = _fit_validated(tmp_path / "reference", VAL_STEPS)
+    _fit_validated(tmp_path / "run", VAL_STOP, restore_rng=restore_rng)  # killed between two validations
+    resumed = _fit_validated(tmp_path / "run", VAL_STEPS, ckpt_path=str(tmp_path / "run" / "ckpt" / "last.ckpt"),
+                             restore_rng=restore_rng)
+    equal = [torch.equal(a, b) for a, b in zip(resumed.seen, reference.seen[VAL_EVERY:])]
+    assert len(resumed.seen) == VAL_STEPS - VAL_EVERY
+    same_weights = all(torch.equal(a, b) for a, b in zip(reference.parameters(), resumed.parameters()))
+    if restore_rng:
+        assert all(equal) and same_weights, f"{sum(equal)}/{len(equal)} batches equal"
+    else:  # the control: without the saved RNG the same resume is not exact (so the test above can fail)
+        assert not all(equal) and not same_weights

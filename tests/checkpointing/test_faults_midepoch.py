@@ -79,3 +79,33 @@ def test_resumable_sampler_shards_are_disjoint_across_ranks():
         torch.manual_seed(0)
         shards.append(sum(ResumableShuffleSampler(9, 2, rank=rank, world_size=2), []))
     assert len(shards[0]) == len(shards[1]) == 5 and sorted(shards[0] + shards[1]) == sorted(list(range(9)) + [shards[0][0]])
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_resumable_sampler_on_two_ranks_serves_what_lightnings_distributed_sampler_serves(drop_last):
+    # plain DDP with shuffle=True: Lightning injects DistributedSampler(seed=PL_GLOBAL_SEED) and keeps the batch
+    # size and drop_last in a new BatchSampler; the resumable sampler must serve the very same batches
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    from lit_speed.data.resumable import ResumableShuffleSampler
+
+    for rank in range(2):
+        ours = ResumableShuffleSampler(23, 4, drop_last, rank=rank, world_size=2, seed=7)
+        plain = DistributedSampler(range(23), num_replicas=2, rank=rank, shuffle=True, seed=7)
+        for epoch in range(3):
+            ours.set_epoch(epoch)
+            plain.set_epoch(epoch)
+            torch.manual_seed(epoch)  # the global RNG plays no part on several ranks
+            assert list(ours) == list(BatchSampler(plain, 4, drop_last))
+
+
+def test_resumable_sampler_on_two_ranks_resumes_mid_epoch():
+    from lit_speed.data.resumable import ResumableShuffleSampler
+
+    sampler = ResumableShuffleSampler(23, 4, rank=1, world_size=2, seed=7)
+    sampler.set_epoch(2)
+    epoch = list(sampler)
+    sampler.used_in_epoch = 1  # training used one batch, then the run was killed
+    resumed = ResumableShuffleSampler(23, 4, rank=1, world_size=2, seed=7)
+    resumed.load_state_dict(sampler.state_dict())
+    assert list(resumed) == epoch[1:]

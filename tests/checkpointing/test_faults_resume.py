@@ -90,6 +90,25 @@ def test_sigkill_at_a_random_step_then_resume_matches_the_uninterrupted_run(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("extra", [["strategy=ddp"], ["strategy=zero2"], ["strategy=ddp", "data=digits_curriculum"]],
+                         ids=["ddp", "zero2", "ddp-curriculum"])
+def test_two_processes_killed_mid_epoch_resume_bitwise(tmp_path, extra):
+    # 2 processes, a checkpoint every 2 steps, killed at step 5: last.ckpt is step 4, half-way through epoch 1.
+    # Each rank's shard of the resumable order goes on where it stopped (the permutation is DistributedSampler's,
+    # seeded with PL_GLOBAL_SEED + epoch, so the ranks agree on it without drawing from their RNG streams)
+    args = SHORT_RUN + ["trainer=ddp_cpu", "callbacks.model_checkpoint.every_n_train_steps=2", *extra]
+    reference, killed = _both((args, tmp_path / "reference"), (args + kill_at(5), tmp_path / "run"))
+    assert reference.returncode == 0, explain(reference)
+    assert killed.returncode != 0, explain(killed)
+    resumed = train(args + ["ckpt_path=last"], tmp_path / "run")
+    assert resumed.returncode == 0, explain(resumed)
+    output = resumed.stdout + resumed.stderr
+    assert "resumed at epoch 0, batch 4" in output and "not exact" not in output, explain(resumed)
+    _assert_same_training_state(tmp_path / "reference" / "checkpoints" / "last.ckpt",
+                                tmp_path / "run" / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["auto", "zero2"])
 def test_mid_epoch_checkpoint_of_a_resumable_loader_resumes_exactly(tmp_path, strategy):
     # checkpoints every 4 steps; killed at step 14, so last.ckpt is step 12, half-way through epoch 2. The

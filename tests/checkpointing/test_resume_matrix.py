@@ -46,7 +46,8 @@ PRESET_ACCUMULATION = ["accumulation.effective_batch=[[0,12],[4,24]]"]
 # SIGTERM after this many training batches lands inside a window: fixed 4 -> batch 14 is the 2nd of the window
 # 13-16; ramp 1,1 then 2 per step -> batch 9 opens the window 9-10; presets 1 x4 then 2 -> batch 7 opens 7-8
 MID_WINDOW = {"fixed": 14, "ramp": 9, "preset": 7}
-KILL_STEP = {"none": 13, "fixed": 4, "ramp": 7, "preset": 7}  # odd: the checkpoint before it is one step back
+# odd: the checkpoint before it is one step back (fixed: step 2, written at epoch 1's last batch)
+KILL_STEP = {"none": 13, "fixed": 4, "ramp": 7, "preset": 7}
 
 
 def options(group: str) -> list[str]:

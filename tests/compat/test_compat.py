@@ -245,6 +245,16 @@ def test_fetcher_details_the_data_helpers_use() -> None:
         _PrefetchDataFetcher.__next__)
 
 
+def test_restart_at_an_epochs_last_batch_is_read_as_fit_loop_reset_reads_it() -> None:
+    # restarted_after_an_epochs_last_batch(): FitLoop.reset counts the epoch done on exactly this condition,
+    # and set_train_sampler_epoch() uses the function FitLoop.on_advance_start calls
+    reset = _source(_FitLoop.reset)
+    assert ("self.epoch_loop.restarted_on_train_batch_end" in reset and "self.restarted_mid_epoch" in reset
+            and "self.epoch_loop.batch_progress.is_last_batch" in reset), "FitLoop.reset's last-batch case changed"
+    assert "_set_sampler_epoch(dl,self.epoch_progress.current.processed)" in _source(_FitLoop.on_advance_start)
+    from lightning.fabric.utilities.data import _set_sampler_epoch  # noqa: F401  (set_train_sampler_epoch)
+
+
 def test_snapshot_runs_before_each_unsized_fetch_and_installs_once() -> None:
     class Endless(torch.utils.data.IterableDataset):
         def __iter__(self):
