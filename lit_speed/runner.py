@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import hydra
 import lightning.pytorch as pl
+import torch
 from hydra.errors import InstantiationException
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
@@ -128,6 +129,8 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
         "effective batch": f"{micro} micro x {accum} accumulation x {world} process(es) = {micro * accum * world}"
         if micro else f"accumulation {accum}, world size {world}",
         "model": f"{type(model).__name__}: {n_params:,} parameters",
+        "optimizer": optimizer_row(parts["optimizer"]),
+        "threads": f"{torch.get_num_threads()} intra-op (torch)",
         "monitor": f"{cfg.monitor} ({cfg.monitor_mode})",
     }
     for part in [dm, precision, *parts["callbacks"]]:
@@ -140,11 +143,24 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
     return rows
 
 
+def optimizer_row(factory: Any) -> str:
+    """The optimizer a ``_partial_`` factory builds, with its LR and the kernel settings decided at run time."""
+    func = getattr(factory, "func", factory)
+    keywords = getattr(factory, "keywords", {}) or {}
+    shown = [f"{k}={keywords[k]}" for k in ("lr", "adamw_lr", "fused", "foreach", "ns_dtype", "adamw_kernel")
+             if keywords.get(k) is not None]
+    auto = [k for k in ("ns_dtype", "adamw_kernel") if keywords.get(k) == "auto"]
+    note = f"; {' and '.join(auto)} timed on this machine before the first step" if auto else ""
+    return f"{getattr(func, '__name__', type(factory).__name__)}({', '.join(shown)}){note}"
+
+
 def component_summaries(parts: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{class name: final_summary()}`` of the precision plugin, the strategy and the callbacks that report one."""
+    """``{class name: final_summary()}`` of the precision plugin, the strategy, the callbacks and the optimizers
+    that report one (e.g. the kernels an optimizer chose by timing)."""
     trainer = parts["trainer"]
+    optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]  # unwrapped from LightningOptimizer
     return {type(part).__name__: part.final_summary()
-            for part in [trainer.precision_plugin, trainer.strategy, *parts["callbacks"]]
+            for part in [trainer.precision_plugin, trainer.strategy, *parts["callbacks"], *optimizers]
             if isinstance(part, SummaryReport)}
 
 

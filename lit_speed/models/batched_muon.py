@@ -15,8 +15,12 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Muon
+
+#: ``ns_dtype`` values: a dtype name, or ``"auto"`` (timed on this machine).
+NS_DTYPE_CHOICES = ("bfloat16", "float32", "auto")
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
@@ -30,7 +34,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
 
 
 def newton_schulz_batched(updates: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
-                          eps: float) -> Tensor:
+                          eps: float, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Orthogonalise a stack ``(n, rows, cols)`` with ``rows <= cols``; torch's quintic iteration per matrix.
 
     Args:
@@ -38,12 +42,13 @@ def newton_schulz_batched(updates: Tensor, ns_coefficients: tuple[float, float, 
         ns_coefficients: The ``(a, b, c)`` of the quintic.
         ns_steps: Iterations.
         eps: Floor of each matrix's norm.
+        dtype: The iteration's dtype: bfloat16 as torch's Muon, or float32 where bf16 matmuls are slow.
 
     Returns:
-        The orthogonalised stack in bfloat16.
+        The orthogonalised stack in ``dtype``.
     """
     a, b, c = ns_coefficients
-    x = updates.bfloat16()
+    x = updates.to(dtype)
     x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
     for _ in range(ns_steps):
         gram = torch.bmm(x, x.mT)
@@ -58,10 +63,45 @@ class BatchedMuon(Muon):
     Same constructor, hyper-parameters, state and math as ``torch.optim.Muon`` (see its documentation); only
     the grouping of the matrix products differs, so results agree with torch's to bf16 rounding.
 
+    One addition: ``ns_dtype``, the dtype of the Newton-Schulz iteration: ``"bfloat16"`` (torch's), ``"float32"``,
+    or ``"auto"``: timed once on this machine on the optimizer's own bucket shapes before the first step
+    (:func:`~lit_speed.tuning.optimizer_kernels.choose_ns_dtype`, cached per machine; rank 0 decides for all). The
+    choice is kept in every param group, so a checkpoint carries it and a resume does not time again.
+
     Example::
 
-        opt = BatchedMuon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+        opt = BatchedMuon([p for p in model.parameters() if p.ndim == 2], lr=0.02, ns_dtype="auto")
     """
+
+    def __init__(self, params: Any, *args: Any, ns_dtype: str = "bfloat16", **kwargs: Any) -> None:
+        if ns_dtype not in NS_DTYPE_CHOICES:
+            raise ValueError(f"BatchedMuon(ns_dtype={ns_dtype!r}): ns_dtype must be one of {NS_DTYPE_CHOICES}, "
+                             f"got {ns_dtype!r}")
+        super().__init__(params, *args, **kwargs)
+        self.defaults["ns_dtype"] = ns_dtype
+        for group in self.param_groups:
+            group.setdefault("ns_dtype", ns_dtype)
+        self.ns_decision: Any = None  # the Decision of ns_dtype="auto", once made in this process
+
+    def resolve_ns_dtype(self) -> None:
+        """Decide ``ns_dtype="auto"`` now (see the class docstring); nothing when every group has a dtype."""
+        if not any(g.get("ns_dtype") == "auto" for g in self.param_groups):
+            return
+        from lit_speed.tuning.optimizer_kernels import choose_ns_dtype, on_rank_zero
+
+        counts: dict[tuple[int, int], int] = defaultdict(int)
+        group = next(g for g in self.param_groups if g["params"])
+        for g in self.param_groups:
+            for p in g["params"]:
+                counts[(min(p.shape), max(p.shape))] += 1
+        shapes = [(n, rows, cols) for (rows, cols), n in sorted(counts.items())]
+        device = group["params"][0].device
+        self.ns_decision = on_rank_zero(lambda: choose_ns_dtype(shapes, group["ns_coefficients"], group["ns_steps"],
+                                                                device))
+        for g in self.param_groups:
+            if g.get("ns_dtype") == "auto":
+                g["ns_dtype"] = self.ns_decision.chosen
+        rank_zero_info(f"Muon: {self.ns_decision.line()}")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # noqa: D102 - torch.optim.Muon.step
@@ -69,6 +109,7 @@ class BatchedMuon(Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.resolve_ns_dtype()
         for group in self.param_groups:
             params: list[Tensor] = []
             grads: list[Tensor] = []
@@ -92,7 +133,8 @@ class BatchedMuon(Muon):
             buckets[(tuple(updates[-1].shape), update.dtype, update.device)].append(i)
         for idx in buckets.values():
             ortho = newton_schulz_batched(torch.stack([updates[i] for i in idx]), group["ns_coefficients"],
-                                          group["ns_steps"], group["eps"])
+                                          group["ns_steps"], group["eps"], getattr(torch, group.get("ns_dtype",
+                                                                                                   "bfloat16")))
             for j, i in enumerate(idx):
                 param = params[i]
                 update = ortho[j].T if param.size(0) > param.size(1) else ortho[j]

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import AdamW, Optimizer
 
 from lit_speed.models.batched_muon import BatchedMuon
+from lit_speed.tuning.optimizer_kernels import ADAMW_KERNELS, adamw_flags, choose_adamw_kernel, on_rank_zero
 
 #: Parameter names (substrings) that always go to AdamW: embeddings and the output head.
 DEFAULT_ADAMW_NAMES = ("wte", "wpe", "emb", "lm_head", "head")
@@ -39,6 +41,10 @@ class MuonAdamW(Optimizer):
         adamw_lr: AdamW's peak LR (embeddings, head, norms, biases).
         momentum, nesterov, ns_steps, adjust_lr_fn: ``torch.optim.Muon`` settings (the update runs as
             :class:`~lit_speed.models.batched_muon.BatchedMuon`: torch's math, batched over same-shape matrices).
+        ns_dtype: Newton-Schulz dtype: ``"bfloat16"`` (torch's), ``"float32"``, or ``"auto"`` (timed here).
+        adamw_kernel: AdamW's kernel: ``"fused"``, ``"foreach"``, ``"for-loop"``, ``None`` (torch's default), or
+            ``"auto"`` (timed here on the AdamW half's own parameter shapes before the first step, cached per
+            machine). Both choices are kept in the param groups: checkpoints carry them, a resume does not time.
         betas, eps: AdamW settings.
         weight_decay: Used where a group does not set its own.
         adamw_names: Name substrings that always go to AdamW.
@@ -55,8 +61,12 @@ class MuonAdamW(Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 0.02, adamw_lr: float = 3e-3, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = None,
+                 ns_dtype: str = "bfloat16", adamw_kernel: str | None = None,
                  betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8, weight_decay: float = 0.0,
                  adamw_names: Sequence[str] = DEFAULT_ADAMW_NAMES) -> None:
+        if adamw_kernel not in (None, *ADAMW_KERNELS, "auto"):
+            raise ValueError(f"MuonAdamW(adamw_kernel={adamw_kernel!r}): adamw_kernel must be one of "
+                             f"{(*ADAMW_KERNELS, 'auto')} or null (torch's choice), got {adamw_kernel!r}")
         groups = _as_named_groups(params, weight_decay)
         muon_groups, adamw_groups = [], []
         for group in groups:
@@ -71,9 +81,13 @@ class MuonAdamW(Optimizer):
                              "embeddings, head, norms or biases). Fix: AdamW for this model, or adjust "
                              "adamw_names.")
         self.muon = BatchedMuon(muon_groups, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                         adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay)
-        self.adamw = AdamW(adamw_groups, lr=adamw_lr, betas=betas, eps=eps, weight_decay=weight_decay) \
+                                adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay, ns_dtype=ns_dtype)
+        flags = adamw_flags(adamw_kernel) if adamw_kernel in ADAMW_KERNELS else {}
+        self.adamw = AdamW(adamw_groups, lr=adamw_lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags) \
             if adamw_groups else None
+        for group in self.adamw.param_groups if self.adamw is not None else []:
+            group["kernel"] = adamw_kernel
+        self.adamw_decision: Any = None  # the Decision of adamw_kernel="auto", once made in this process
         self._n_muon = len(self.muon.param_groups)
         all_groups = self.muon.param_groups + (self.adamw.param_groups if self.adamw else [])
         super().__init__(all_groups, {})  # the very same group dicts: an LR scheduler reaches both halves
@@ -94,8 +108,27 @@ class MuonAdamW(Optimizer):
                 loss = closure()
         self.muon.step()
         if self.adamw is not None:
+            self.resolve_adamw_kernel()
             self.adamw.step()
         return loss
+
+    def final_summary(self) -> dict[str, Any]:
+        """The kernels in use, and how they were chosen (for ``summary.json``)."""
+        return {"ns_dtype": self.muon.param_groups[0].get("ns_dtype"),
+                "ns_dtype_decision": self.muon.ns_decision.line() if self.muon.ns_decision else None,
+                "adamw_kernel": self.adamw.param_groups[0].get("kernel") if self.adamw is not None else None,
+                "adamw_kernel_decision": self.adamw_decision.line() if self.adamw_decision else None}
+
+    def resolve_adamw_kernel(self) -> None:
+        """Decide ``adamw_kernel="auto"`` now (see the class docstring); nothing once every group has a kernel."""
+        groups = [g for g in (self.adamw.param_groups if self.adamw is not None else []) if g.get("kernel") == "auto"]
+        if not groups:
+            return
+        params = [p for g in groups for p in g["params"]]
+        self.adamw_decision = on_rank_zero(lambda: choose_adamw_kernel(params))
+        for g in groups:
+            g.update(adamw_flags(self.adamw_decision.chosen), kernel=self.adamw_decision.chosen)
+        rank_zero_info(f"MuonAdamW: {self.adamw_decision.line()}")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

@@ -74,10 +74,18 @@ class _Silent:  # an attribute named like a contract method that is not one is i
 def test_runner_reads_only_objects_that_implement_the_contract():
     assert startup_rows_of(_Reports()) == {"mine": "3"}
     assert startup_rows_of(_Silent()) == {} and startup_rows_of(object()) == {}
-    trainer = SimpleNamespace(precision_plugin=object(), strategy=_Silent(), accumulate_grad_batches=3)
+    trainer = SimpleNamespace(precision_plugin=object(), strategy=_Silent(), accumulate_grad_batches=3,
+                              optimizers=[object()])
     parts = {"trainer": trainer, "callbacks": [_Reports(), _Silent(), object()], "datamodule": _Reports(),
              "model": object()}
     assert component_summaries(parts) == {"_Reports": {"events": 1}}
+
+    class _ReportingOptimizer:  # an optimizer that reports the kernels it chose (e.g. MuonAdamW)
+        def final_summary(self):
+            return {"kernel": "fused"}
+
+    trainer.optimizers = [_ReportingOptimizer()]
+    assert component_summaries(parts)["_ReportingOptimizer"] == {"kernel": "fused"}
     assert workload_extras(parts) == [SummaryExtra("baseline", "baseline val/loss", 1.5)]
     assert _accumulation_factor(trainer, [_Silent(), object()]) == 3
     assert largest_accumulation_factor([_Silent(), SimpleNamespace(factors={0: 9})], 2) == 2

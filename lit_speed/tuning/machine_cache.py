@@ -1,0 +1,82 @@
+"""Where choices measured on this machine are kept, and what "this machine" means.
+
+A choice whose best value depends on the hardware (a precision mode, an optimizer kernel, a thread count) is timed
+where the run happens and cached per machine: the key holds the CPU model and its bf16/AVX/AMX flags (or the GPU
+name), the thread count and the torch version, so the same command on another CPU decides afresh. The cache is a
+folder of small JSON files, one per kind of choice: ``$LIT_SPEED_CACHE_DIR``, else ``$XDG_CACHE_HOME/lit_speed`` or
+``~/.cache/lit_speed``. ``LIT_SPEED_AUTO_CACHE=0`` turns it off (every run times afresh and writes nothing).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def hardware(device: torch.device | None = None) -> str:
+    """The CPU model and the flags that decide low-precision speed (or the CUDA device's name)."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model, flags = "", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = " ".join(f for f in line.split(":", 1)[1].split() if "bf16" in f or f.startswith(("avx", "amx")))
+    except OSError:  # not Linux: the processor string is what there is
+        pass
+    return f"{model or platform.processor()} [{flags}]"
+
+
+def machine_key(device: torch.device | None = None) -> dict[str, Any]:
+    """The parts of a cache key that say which machine and software a timing ran on."""
+    return {"hardware": hardware(device), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def disk_cache_enabled() -> bool:
+    """``LIT_SPEED_AUTO_CACHE`` unset or true-ish."""
+    return os.environ.get("LIT_SPEED_AUTO_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    """The folder of the per-machine timing caches."""
+    root = os.environ.get("LIT_SPEED_CACHE_DIR") or \
+        os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lit_speed")
+    return Path(root)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The cache file's entries; ``{}`` when it is missing or damaged (time afresh; the next write replaces it)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_entry(path: Path, key: str, entry: dict[str, Any], what: str) -> None:
+    """Add one entry, dated today; atomic (write a sibling, then rename) and never fatal: a cache is a shortcut.
+
+    Args:
+        path: The cache file.
+        key: The entry's key (a JSON string of what the timing depends on).
+        entry: What to keep (JSON-serialisable).
+        what: The setting the cache serves, for the warning (e.g. ``"precision=auto"``).
+    """
+    try:
+        data = read_json(path)
+        data[key] = {**entry, "when": dt.date.today().isoformat()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as err:
+        warnings.warn(f"{what} could not write its timing cache {path} ({err}); the next run times again. "
+                      f"Fix: set LIT_SPEED_CACHE_DIR to a writable folder, or LIT_SPEED_AUTO_CACHE=0.", stacklevel=3)

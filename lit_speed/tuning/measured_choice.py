@@ -1,0 +1,113 @@
+"""Choose between implementations of the same math by timing them here, interleaved, and cache the choice.
+
+:func:`time_interleaved` runs one call of every candidate per round (the order rotating, after one warm-up call
+each), so a busy machine slows every candidate alike; :func:`choose_fastest` keeps the default unless another
+candidate is faster by ``min_gain``; :func:`measured_choice` does both once per machine and key, caching the
+timings (:mod:`lit_speed.tuning.machine_cache`) so that a repeated run decides in no time and the same way.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from lit_speed.tuning.machine_cache import cache_dir, disk_cache_enabled, machine_key, read_json, write_entry
+
+#: The default is kept unless another candidate takes at most ``1 - MIN_GAIN`` of its time.
+MIN_GAIN = 0.03
+
+
+@dataclass
+class Decision:
+    """A measured choice: what was chosen, why, and the median seconds per candidate (``None``: could not run)."""
+
+    name: str
+    chosen: str
+    reason: str
+    times: dict[str, float | None] = field(default_factory=dict)
+    cached_on: str | None = None  # the date of the cached timings it reused, or None when timed in this run
+
+    def line(self) -> str:
+        """One line for the log and the start-up table: ``name -> chosen (reason)``."""
+        return f"{self.name} -> {self.chosen} ({self.reason})"
+
+
+def time_interleaved(candidates: Mapping[str, Callable[[], Any]], rounds: int = 10, budget_s: float = 1.0
+                     ) -> dict[str, list[float] | None]:
+    """Seconds of each call of each candidate, in round order; ``None`` for one that raised.
+
+    One warm-up call each, then rounds of one call per candidate (order rotating) until ``rounds`` are done or
+    ``budget_s`` is spent, but at least two rounds.
+    """
+    live: list[str] = []
+    for name, fn in candidates.items():
+        try:
+            fn()
+            live.append(name)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):  # this kernel cannot run here
+            pass
+    samples: dict[str, list[float]] = {name: [] for name in live}
+    deadline = time.perf_counter() + budget_s
+    for r in range(max(rounds, 2)):
+        if r >= 2 and time.perf_counter() > deadline:
+            break
+        for name in (live[r % len(live):] + live[:r % len(live)]) if live else []:
+            start = time.perf_counter()
+            candidates[name]()
+            samples[name].append(time.perf_counter() - start)
+    return {name: samples.get(name) for name in candidates}
+
+
+def choose_fastest(times: Mapping[str, float | None], default: str, min_gain: float = MIN_GAIN,
+                   unit: str = "ms") -> tuple[str, str]:
+    """The fastest candidate, or ``default`` unless one beats it by ``min_gain``; and the reason, every time shown.
+
+    Raises:
+        ValueError: If ``default`` is not a candidate.
+    """
+    if default not in times:
+        raise ValueError(f"default must be one of the candidates {sorted(times)}, got {default!r}")
+    finite = {n: t for n, t in times.items() if t is not None and math.isfinite(t)}
+    scale = 1000.0 if unit == "ms" else 1.0
+    shown = ", ".join(f"{n} {scale * t:.2f} {unit}" if t is not None else f"{n} could not run" for n, t in times.items())
+    if not finite:
+        return default, f"no candidate could run ({shown}): kept the default"
+    best = min(finite, key=finite.__getitem__)
+    base = finite.get(default)
+    if base is not None and best != default and finite[best] > (1.0 - min_gain) * base:
+        return default, f"timed here: {shown}; within {min_gain:.0%} of the default: kept it"
+    return best, f"timed here: {shown}"
+
+
+def measured_choice(name: str, key: Mapping[str, Any], candidates: Mapping[str, Callable[[], Any]], default: str,
+                    min_gain: float = MIN_GAIN, rounds: int = 10, budget_s: float = 1.0,
+                    use_disk_cache: bool | None = None) -> Decision:
+    """Time ``candidates`` (or reuse this machine's cached timings for ``key``) and choose one.
+
+    Args:
+        name: The setting decided (e.g. ``"optimizer.ns_dtype"``); also names the cache file.
+        key: What the timings depend on besides the machine (shapes, dtypes, ...), JSON-serialisable.
+        candidates: Name -> a call that runs that implementation once.
+        default: The candidate kept unless another is faster by ``min_gain``.
+        min_gain: See :func:`choose_fastest`.
+        rounds, budget_s: See :func:`time_interleaved`.
+        use_disk_cache: Read and write the on-disk cache (default: unless ``LIT_SPEED_AUTO_CACHE=0``).
+    """
+    full_key = json.dumps({"name": name, "candidates": sorted(candidates), **machine_key(), **dict(key)},
+                          sort_keys=True, default=str)
+    path = cache_dir() / f"{name.replace('/', '_')}.json"
+    use_disk = disk_cache_enabled() if use_disk_cache is None else use_disk_cache
+    entry = read_json(path).get(full_key) if use_disk else None
+    cached_on = entry.get("when") if entry else None
+    if entry is None:
+        samples = time_interleaved(candidates, rounds, budget_s)
+        entry = {"times": {n: (statistics.median(v) if v else None) for n, v in samples.items()}}
+        if use_disk:
+            write_entry(path, full_key, entry, name)
+    chosen, reason = choose_fastest(entry["times"], default, min_gain)
+    if cached_on:
+        reason = f"{reason} (cached {cached_on} in {path})"
+    return Decision(name, chosen, reason, dict(entry["times"]), cached_on)

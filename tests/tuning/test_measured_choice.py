@@ -1,0 +1,70 @@
+"""Measured choices: the decision rule, the interleaved timer and the per-machine cache (no timing asserted)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lit_speed.tuning import choose_fastest, measured_choice, time_interleaved
+from lit_speed.tuning.machine_cache import cache_dir, machine_key
+
+
+def test_the_default_is_kept_unless_another_candidate_is_clearly_faster():
+    assert choose_fastest({"a": 1.0, "b": 0.99}, default="a", min_gain=0.03)[0] == "a"
+    assert choose_fastest({"a": 1.0, "b": 0.90}, default="a", min_gain=0.03)[0] == "b"
+    assert choose_fastest({"a": 0.5, "b": 0.90}, default="b")[0] == "a"  # the default itself is slower
+
+
+def test_a_candidate_that_could_not_run_is_never_chosen_and_the_reason_shows_every_time():
+    chosen, reason = choose_fastest({"a": 2e-3, "b": None}, default="b")
+    assert chosen == "a" and "a 2.00 ms" in reason and "b could not run" in reason
+    assert choose_fastest({"a": None, "b": None}, default="b") == ("b", "no candidate could run (a could not run, "
+                                                                        "b could not run): kept the default")
+
+
+def test_the_default_must_be_a_candidate():
+    with pytest.raises(ValueError, match=r"default must be one of the candidates \['a'\], got 'c'"):
+        choose_fastest({"a": 1.0}, default="c")
+
+
+def test_interleaved_timing_rotates_the_order_and_drops_a_candidate_that_raises():
+    calls: list[str] = []
+
+    def broken():
+        raise RuntimeError("no kernel here")
+
+    samples = time_interleaved({"x": lambda: calls.append("x"), "y": lambda: calls.append("y"), "z": broken},
+                               rounds=4, budget_s=60)
+    assert samples["z"] is None and len(samples["x"]) == len(samples["y"]) == 4
+    assert calls == ["x", "y", "x", "y", "y", "x", "x", "y", "y", "x"]  # warm-ups, then rotated rounds
+
+
+def test_a_choice_is_timed_once_per_machine_and_key_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LIT_SPEED_AUTO_CACHE", raising=False)
+    runs = {"slow": 0, "fast": 0}
+
+    def candidate(name):
+        def run():
+            runs[name] += 1
+        return run
+
+    first = measured_choice("test.kernel", {"shape": [3]}, {n: candidate(n) for n in runs}, default="slow",
+                            rounds=3)
+    assert first.cached_on is None and sum(runs.values()) == 2 * (1 + 3)
+    stored = json.loads((cache_dir() / "test.kernel.json").read_text())
+    (key, entry), = stored.items()
+    assert json.loads(key)["hardware"] == machine_key()["hardware"] and set(entry["times"]) == {"slow", "fast"}
+
+    again = measured_choice("test.kernel", {"shape": [3]}, {n: candidate(n) for n in runs}, default="slow")
+    assert sum(runs.values()) == 8 and again.chosen == first.chosen and again.cached_on == entry["when"]
+    assert "cached" in again.reason
+    measured_choice("test.kernel", {"shape": [4]}, {n: candidate(n) for n in runs}, default="slow", rounds=3)
+    assert sum(runs.values()) == 16  # another key: timed again
+
+
+def test_the_cache_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LIT_SPEED_AUTO_CACHE", "0")
+    measured_choice("test.kernel", {}, {"a": lambda: None, "b": lambda: None}, default="a", rounds=2)
+    assert not (tmp_path / "test.kernel.json").exists()
