@@ -1,26 +1,42 @@
-"""Catch bad command-line overrides before Hydra prints a stack trace: name the value and the choices."""
+"""Catch bad command-line overrides before Hydra prints a stack trace: name the value and the choices.
+
+The pre-flight composes from the folders Hydra will search (:mod:`lit_speed.compat.hydra`): lit_speed's ``conf/``
+(or ``--config-path``), ``--config-dir`` and ``hydra.searchpath``, so a user's own config groups pass it and a typo
+in one is named with the user's options beside lit_speed's.
+"""
 from __future__ import annotations
 
 import difflib
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from lit_speed.compat.hydra import initialized_like_main, parse_command_line
 from lit_speed.config_error import ConfigError  # re-exported: scripts import it from here
+from lit_speed.config_targets import CONFIG_DIR, ROOT, config_folders, group_options  # noqa: F401 - re-exported
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
+ENTRY = ROOT / "scripts" / "train.py"  # declares @hydra.main(config_path="../conf", config_name="train")
 
 
-def group_options(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
-    """Option names of a config group (``conf/<group>/*.yaml``)."""
-    return sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+def options_by_folder(group: str, folders: Sequence[Path]) -> dict[str, list[str]]:
+    """``{folder: options}`` of a config group in each folder that has it (``<folder>/<group>/*.yaml``)."""
+    found = {str(folder): group_options(group, folder) for folder in folders}
+    return {folder: options for folder, options in found.items() if options}
+
+
+def _choices(group: str, folders: Sequence[Path]) -> tuple[list[str], str]:
+    """Every option of ``group`` on the search path, and a note naming the ones outside lit_speed's ``conf/``."""
+    by_folder = options_by_folder(group, folders)
+    choices = sorted({o for options in by_folder.values() for o in options})
+    own = [f"{', '.join(options)} from {folder}" for folder, options in by_folder.items()
+           if Path(folder) != CONFIG_DIR.resolve()]
+    return choices, f" (yours: {'; '.join(own)})" if own else ""
 
 
 def _first_value(override: str) -> str:
@@ -33,25 +49,31 @@ def _first_value(override: str) -> str:
     return f"{prefix}{parsed.key_or_group}={first}"
 
 
-def _explain(override: str, cfg_without: DictConfig | None, config_dir: Path) -> str:
+def _explain(override: str, cfg_without: DictConfig | None, folders: Sequence[Path]) -> str:
     key, _, value = override.lstrip("+~").partition("=")
-    if (config_dir / key).is_dir():
-        choices = group_options(key, config_dir)
+    choices, own = _choices(key, folders)
+    if choices:
         near = difflib.get_close_matches(value, choices, n=1)
         hint = f" Did you mean {key}={near[0]}?" if near else ""
-        return f"{key}={value}: unknown option {value!r} for group {key!r}. Valid choices: {', '.join(choices)}.{hint}"
+        return (f"{key}={value}: unknown option {value!r} for group {key!r}. Valid choices: {', '.join(choices)}"
+                f"{own}.{hint}")
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg_without, parent_key) if (cfg_without is not None and parent_key) else cfg_without
     if isinstance(parent, DictConfig):
-        keys = [str(k) for k in parent.keys()]
-        if leaf not in keys and parent_key and (config_dir / leaf).is_dir():  # trainer.precision: a group of its own
-            choices = group_options(leaf, config_dir)
-            fix = f"{leaf}={value}" if value in choices else f"{leaf}=<one of {', '.join(choices)}>"
+        keys = [str(k) for k in parent.keys() if k != "hydra"]
+        leaf_choices = _choices(leaf, folders)[0] if parent_key else []
+        if leaf not in keys and leaf_choices:  # trainer.precision: a group of its own
+            fix = f"{leaf}={value}" if value in leaf_choices else f"{leaf}=<one of {', '.join(leaf_choices)}>"
             return (f"{key}={value}: {leaf} is chosen by its own config group, not under {parent_key!r} (lit_speed "
                     f"hands the {leaf} object to the Trainer). Fix: {fix}")
         if leaf not in keys:
             near = difflib.get_close_matches(leaf, keys, n=3)
-            hint = f" Did you mean {' or '.join(f'{parent_key}.{n}' if parent_key else n for n in near)}?" if near else ""
+            groups = [n for n in near if not parent_key and _choices(n, folders)[0]]
+            if groups:  # modle=regr: a misspelt config group
+                hint = f" Did you mean {groups[0]}={value}?"
+            else:
+                hint = f" Did you mean {' or '.join(f'{parent_key}.{n}' if parent_key else n for n in near)}?" \
+                    if near else ""
             where = f"'{parent_key}'" if parent_key else "the top level"
             return (f"{key}={value}: no key {leaf!r} in {where}.{hint} Valid keys: {', '.join(keys)}. "
                     f"To add a new key on purpose, write +{key}={value}.")
@@ -142,15 +164,35 @@ def check_output_dirs(argv: list[str]) -> None:
                               f"{key}=<a folder you can write to>, e.g. {key}=logs/my_run") from None
 
 
-def preflight(argv: list[str], config_name: str = "train", config_dir: Path = CONFIG_DIR) -> DictConfig:
+def _without_hydra(cfg: DictConfig) -> DictConfig:
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def preflight(argv: Sequence[str], config_name: str = "train", config_dir: Path = CONFIG_DIR) -> DictConfig:
     """Compose the config the way ``scripts/train.py`` will; raise :class:`ConfigError` with a fix on failure.
 
-    Only plain overrides are checked (``hydra.*`` settings and flags are Hydra's own business).
+    Hydra's own flags are read as Hydra reads them: ``--config-path``/``--config-name`` replace the main folder and
+    the primary config, ``--config-dir`` adds a folder, a ``hydra.searchpath=[...]`` override adds folders. Other
+    ``hydra.*`` settings and flags are Hydra's own business.
+
+    Args:
+        argv: The command line after the script name.
+        config_name: The primary config when no ``--config-name`` is given.
+        config_dir: The main config folder when no ``--config-path`` is given.
     """
     check_output_dirs(argv)
-    overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
-    from lit_speed.run_checks import check_config  # imported on use: it loads torch
-
+    args, unrecognized = parse_command_line(argv)
+    if unrecognized:
+        flags = " ".join(a for a in argv if a.startswith("-") or a not in args.overrides + unrecognized)
+        overrides = " ".join(a for a in argv if a in args.overrides + unrecognized and not a.startswith("-"))
+        raise ConfigError(f"{' '.join(unrecognized)}: Hydra refuses it (unrecognized arguments): it reads key=value "
+                          f"overrides in one run, not on both sides of a flag. Fix: python scripts/train.py {flags} "
+                          f"{overrides}")
+    config_name = args.config_name or config_name
+    searchpath = [a for a in args.overrides if a.lstrip("+~").partition("=")[0] == "hydra.searchpath"]
+    overrides = [a for a in args.overrides if ("=" in a or a.startswith("~")) and not a.lstrip("+~").startswith("hydra")]
     firsts = []
     for override in overrides:
         try:
@@ -159,24 +201,54 @@ def preflight(argv: list[str], config_name: str = "train", config_dir: Path = CO
             reason = " ".join(str(error).split())
             raise ConfigError(f"{override}: not a valid override ({reason[:160]}). Fix: balance its brackets and "
                               "quotes, e.g. key=[1,2] or key='a b'") from None
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+    if args.config_dir is not None and not Path(args.config_dir).is_dir():
+        raise ConfigError(f"--config-dir {args.config_dir}: no such folder ({Path(args.config_dir).resolve()}). Fix: "
+                          "--config-dir <the folder that holds your config groups, e.g. my_conf with "
+                          "my_conf/model/mine.yaml>")
+    with initialized_like_main(str(ENTRY), args.config_path or str(config_dir), args.config_dir):
+        return _compose_checked(config_name, overrides, firsts, searchpath)
+
+
+def _compose_checked(config_name: str, overrides: list[str], firsts: list[str], searchpath: list[str]) -> DictConfig:
+    """Compose (Hydra initialised), check, and on failure blame the first override whose removal composes."""
+    from lit_speed.run_checks import check_config  # imported on use: it loads torch
+    from lit_speed.config_targets import check_optimizer_choice, check_targets
+
+    def composed(chosen: list[str]) -> DictConfig:
+        return compose(config_name=config_name, overrides=chosen + searchpath, return_hydra_config=True)
+
+    try:
+        cfg = composed(firsts)
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        original = str(error).strip()
+    else:
+        folders = config_folders(cfg)
+        cfg = _without_hydra(cfg)
+        check_targets(cfg, folders)
+        check_optimizer_choice(cfg, firsts)
+        for group in ("trainer", "data", "data.datamodule", "model"):
+            check_trainer_types(cfg, group)
+        check_config(cfg, folders)
+        return cfg
+    # blame the first override whose removal makes composition succeed; with two bad ones, the first that fails
+    # on top of the ones before it
+    candidates = [(i, firsts[:i] + firsts[i + 1:]) for i in range(len(firsts))]
+    candidates += [(i, firsts[:i]) for i in range(len(firsts))]
+    for i, rest in candidates:
         try:
-            cfg = compose(config_name=config_name, overrides=firsts)
-        except (HydraException, OmegaConfBaseException, ValueError) as error:
-            original = str(error).strip()
-        else:
-            for group in ("trainer", "data", "data.datamodule", "model"):
-                check_trainer_types(cfg, group)
-            check_config(cfg)
-            return cfg
-        # find the override to blame: the first whose removal makes composition succeed
-        for i, override in enumerate(firsts):
-            rest = firsts[:i] + firsts[i + 1:]
-            try:
-                cfg_without = compose(config_name=config_name, overrides=rest)
-            except (HydraException, OmegaConfBaseException, ValueError):
-                continue
-            message = _explain(override, cfg_without, config_dir)
-            raise ConfigError(message or f"{overrides[i]}: {original}") from None
-        raise ConfigError(original) from None
+            cfg_without = composed(rest)
+        except (HydraException, OmegaConfBaseException, ValueError):
+            continue
+        if rest == firsts[:i] and _composes(composed, firsts[:i + 1]):
+            continue
+        message = _explain(firsts[i], cfg_without, config_folders(cfg_without))
+        raise ConfigError(message or f"{overrides[i]}: {original}") from None
+    raise ConfigError(original) from None
+
+
+def _composes(composed: Any, overrides: list[str]) -> bool:
+    try:
+        composed(overrides)
+    except (HydraException, OmegaConfBaseException, ValueError):
+        return False
+    return True

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_speed.config_error import ConfigError
-
-# which model each DataModule feeds; a curriculum wraps another DataModule (conf/data/*_curriculum.yaml)
-DATA_MODEL = {"DigitsDataModule": ("mlp", "MLPClassifier", "data=digits model=mlp"),
-              "CharLMDataModule": ("gpt", "GPTModule", "experiment=charlm_cpu (data=charlm model=gpt)")}
-
 
 # callbacks options renamed, old -> new: the old name still composes the same callback under its old key for one release
 RENAMED_CALLBACKS = {"checkpointing": "activation_checkpointing", "early_stopping": "curriculum_early_stopping"}
@@ -29,30 +24,79 @@ def _short(target: Any) -> str:
     return str(target).rsplit(".", 1)[-1]
 
 
-def _data_class(data: DictConfig) -> str:
+def _data_target(data: DictConfig) -> Any:
+    """The DataModule ``data`` builds; a wrapper (a curriculum's ``datamodule``) yields what it wraps."""
     inner = data.get("datamodule")
     if isinstance(inner, DictConfig) and "_target_" in inner:
-        return _short(inner._target_)
-    return _short(data.get("_target_", ""))
+        return inner._target_
+    return data.get("_target_")
 
 
-def check_data_model(cfg: DictConfig, data_choice: str = "data", model_choice: str = "model") -> None:
-    """Refuse a data option and a model option that cannot work together (token ids into the MLP, digits into GPT).
+def _declared(target: Any, attribute: str) -> Any:
+    """``target``'s class attribute ``attribute`` (``batch_kind``, ``accepted_batch_kinds``), imported; ``None``
+    when it does not import or declares nothing (the pre-flight reports a target that does not import)."""
+    from lit_speed.config_targets import import_target
+
+    if not isinstance(target, str):
+        return None
+    try:
+        return getattr(import_target(target, ""), attribute, None)
+    except ConfigError:
+        return None
+
+
+def _pair_fixes(kind: str, accepted: tuple[str, ...], folders: Sequence[Path]) -> list[str]:
+    """Options that fit: models that take ``kind``, data options that yield one of ``accepted``, and experiments
+    that set a fitting data and model pair (``override /data`` and ``override /model`` in their defaults)."""
+    from lit_speed.config_targets import option_targets
+
+    models = option_targets("model", folders)
+    datas = option_targets("data", folders)
+    fixes = [f"model={o}" for o, cls in models.items() if kind in (getattr(cls, "accepted_batch_kinds", None) or ())]
+    fixes += [f"data={o}" for o, cls in datas.items() if getattr(cls, "batch_kind", None) in accepted]
+    for folder in folders:
+        for path in sorted((folder / "experiment").glob("*.yaml")):
+            chosen = {}
+            for entry in OmegaConf.load(path).get("defaults") or []:
+                if isinstance(entry, DictConfig):
+                    chosen.update({str(k).split("/")[-1]: str(v) for k, v in entry.items()
+                                   if str(k).startswith("override /")})
+            data_cls, model_cls = datas.get(chosen.get("data", "")), models.get(chosen.get("model", ""))
+            pair_kind = getattr(data_cls, "batch_kind", None)
+            # a preset pair that keeps one side of the refused pair: the data's kind, or a model that takes it all
+            keeps_one = pair_kind == kind or tuple(getattr(model_cls, "accepted_batch_kinds", None) or ()) == accepted
+            if data_cls is not None and model_cls is not None and keeps_one and \
+                    pair_kind in (getattr(model_cls, "accepted_batch_kinds", None) or ()):
+                fixes.append(f"experiment={path.stem} (data={chosen['data']} model={chosen['model']})")
+    return fixes
+
+
+def check_data_model(cfg: DictConfig, folders: Sequence[Path] = ()) -> None:
+    """Refuse a DataModule and a model that cannot work together (token ids into the MLP, digits into GPT), from
+    what their classes declare (:class:`~lit_speed.run_contract.BatchSource`,
+    :class:`~lit_speed.run_contract.BatchConsumer`); a class that declares nothing is not checked.
+
+    Args:
+        cfg: The composed config.
+        folders: The config search path's folders, searched for options that fit (lit_speed's ``conf/`` if empty).
 
     Raises:
-        ConfigError: Naming both options and the command line that runs a matching pair.
+        ConfigError: Naming both classes, the batch kinds, and the options that fit.
     """
     data, model = cfg.get("data"), cfg.get("model")
     if not isinstance(data, DictConfig) or not isinstance(model, DictConfig):
         return
-    data_cls, model_cls = _data_class(data), _short(model.get("_target_", ""))
-    wanted = DATA_MODEL.get(data_cls)
-    if wanted is None or model_cls not in {m for _, m, _ in DATA_MODEL.values()} or wanted[1] == model_cls:
+    data_target, model_target = _data_target(data), model.get("_target_")
+    kind, accepted = _declared(data_target, "batch_kind"), _declared(model_target, "accepted_batch_kinds")
+    if kind is None or accepted is None or kind in accepted:
         return
-    option = next(o for o, m, _ in DATA_MODEL.values() if m == model_cls)
-    fixes = [fix for _, _, fix in DATA_MODEL.values()]
-    raise ConfigError(f"{data_choice} ({data_cls}) does not fit model={option} ({model_cls}): {data_cls} feeds "
-                      f"model={wanted[0]}. Fix: {', or '.join(fixes)}")
+    from lit_speed.config_targets import CONFIG_DIR
+
+    fixes = _pair_fixes(kind, tuple(accepted), list(folders) or [CONFIG_DIR])
+    model_cls = _short(model_target)
+    raise ConfigError(f"data ({_short(data_target)}) does not fit model ({model_cls}): it yields {kind!r} batches, "
+                      f"{model_cls} takes {' or '.join(map(repr, accepted))}. "
+                      f"Fix: {', or '.join(fixes) if fixes else 'a data= and model= pair that fit'}")
 
 
 def _number(node: DictConfig, key: str, where: str) -> float | None:
@@ -179,10 +223,13 @@ def check_precision_strategy(cfg: DictConfig) -> None:
                           "strategy=zero2 (DeepSpeed keeps float32 masters itself), or trainer.devices=1")
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Every config-only check; raises :class:`ConfigError` on the first failure, warns on renamed options."""
+def check_config(cfg: DictConfig, folders: Sequence[Path] = ()) -> None:
+    """Every config-only check; raises :class:`ConfigError` on the first failure, warns on renamed options.
+
+    ``folders``: the config search path's folders (``lit_speed.config_check.config_folders``), for the fixes.
+    """
     warn_renamed_options(cfg)
-    check_data_model(cfg)  # first: a model without its data also leaves ${data.*} interpolations dangling
+    check_data_model(cfg, folders)  # first: a model without its data also leaves ${data.*} interpolations dangling
     check_interpolations(cfg)
     check_precision_strategy(cfg)
     seed = cfg.get("seed")

@@ -16,6 +16,13 @@ Who reports what (checked by ``tests/runner/test_run_contract.py``):
   baseline), stored at the top level of ``summary.json`` and shown in the end-of-run table.
 - :class:`MonitoredModel` (``monitor``, ``monitor_mode``): the metric a model logs, the default of the
   ``monitor=`` / ``monitor_mode=`` settings.
+- :class:`MonitorFollower` (``follow_monitor(monitor, mode)``): a callback that follows the run's metric and takes
+  the one chosen at the first validation when none was named (RunSummary, BestAndLastCheckpoint).
+- :class:`EndOfRunReport` (``end_rows()``): rows for the end-of-run table (DeviceStatsLogger: throughput and MFU).
+- :class:`BatchSource` (``batch_kind``) and :class:`BatchConsumer` (``accepted_batch_kinds``): what a DataModule
+  yields and what a model's ``training_step`` takes, class attributes read before anything is built
+  (``lit_speed.run_checks.check_data_model`` refuses a pair that does not fit; a class that declares nothing is
+  not checked).
 
 Example::
 
@@ -100,6 +107,45 @@ class MonitoredModel(Protocol):
 
     monitor: str
     monitor_mode: str  # "max" or "min"
+
+
+@runtime_checkable
+class MonitorFollower(Protocol):
+    """A callback that follows the run's monitored metric (best value, best checkpoint).
+
+    ``follow_monitor(monitor, mode)`` is called once, at the end of the first validation, when neither the config
+    nor the model named a metric and the runner chose one from the logged metrics
+    (:func:`lit_speed.run_monitor.choose_monitor`); a callback that already follows one keeps it.
+    """
+
+    def follow_monitor(self, monitor: str, mode: str) -> None:
+        """Follow ``monitor`` (``"min"`` or ``"max"`` is better) from now on."""
+
+
+@runtime_checkable
+class EndOfRunReport(Protocol):
+    """A component that adds rows to the end-of-run table (``{label: value}``, values one short line each)."""
+
+    def end_rows(self) -> Mapping[str, object]:
+        """Rows for the end-of-run table."""
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    """A DataModule that names the kind of batch it yields, as ``"<inputs>-><targets>"``.
+
+    Bundled: ``"features->class"`` (digits: float features, class indices), ``"tokens->next-token"`` (charlm).
+    Pick a name of your own for a new kind; a wrapper (a curriculum) yields what the DataModule it wraps yields.
+    """
+
+    batch_kind: str
+
+
+@runtime_checkable
+class BatchConsumer(Protocol):
+    """A LightningModule that names the batch kinds its ``training_step`` takes (see :class:`BatchSource`)."""
+
+    accepted_batch_kinds: tuple[str, ...]
 
 
 def startup_rows_of(part: object, *args: Any) -> dict[str, str]:

@@ -55,6 +55,11 @@ class RunSummary(Callback):
         self.val_time = 0.0
         self.wall_time = 0.0
 
+    def follow_monitor(self, monitor: str, mode: str) -> None:
+        """Report the best value of ``monitor`` (chosen at the first validation), unless one was named."""
+        if self.monitor is None:
+            self.monitor, self.mode = monitor, mode
+
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._fit_start = time.perf_counter()

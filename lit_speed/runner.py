@@ -27,12 +27,14 @@ from lit_speed.config_check import ConfigError
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.config_error import RunStopped
-from lit_speed.run_contract import (AccumulationReport, MonitoredModel, SummaryExtra, SummaryReport,
-                                    WorkloadReport, startup_rows_of)
+from lit_speed.run_contract import (AccumulationReport, EndOfRunReport, MonitoredModel, SummaryExtra,
+                                    SummaryReport, WorkloadReport, startup_rows_of)
 from lit_speed.run_checks import check_activation_memory, check_checkpoint_matches, check_config
+from lit_speed.run_monitor import configured_monitor
 from lit_speed.run_plan_check import RunPlanCheck
 from lit_speed.run_summary import RunSummary
 from lit_speed.tables import print_table
+from lit_speed.config_targets import model_takes_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +60,19 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data)
     # plain Python values (betas as a tuple, not a ListConfig): optimizer param groups are saved in every
     # checkpoint, and an OmegaConf object there makes it unloadable with torch.load(weights_only=True)
-    optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all")
-    model: pl.LightningModule = hydra.utils.instantiate(cfg.model, optimizer=optimizer)
-    # the model knows which metric it reports; the config may override it
-    declared = model if isinstance(model, MonitoredModel) else None
+    # a model that takes no `optimizer` argument, or whose config sets its own, builds its own optimizer
+    takes_optimizer = model_takes_optimizer(cfg.model)
+    optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if takes_optimizer else None
+    model: pl.LightningModule = hydra.utils.instantiate(cfg.model, **({"optimizer": optimizer} if takes_optimizer
+                                                                       else {}))
+    # the model knows which metric it reports, or the user's callback configs name one; the config may override it;
+    # with none of them, RunPlanCheck chooses one from the metrics the first validation logs
+    declared = (model.monitor, model.monitor_mode) if isinstance(model, MonitoredModel) and model.monitor \
+        else configured_monitor(cfg)
     if cfg.get("monitor") is None:
-        cfg.monitor = declared.monitor if declared is not None else None
+        cfg.monitor = declared[0] if declared is not None else None
     if cfg.get("monitor_mode") is None:
-        cfg.monitor_mode = declared.monitor_mode if declared is not None else "max"
+        cfg.monitor_mode = declared[1] if declared is not None else "max"
 
     trainer_kwargs: dict[str, Any] = {}
     plugins: list[Any] = []
@@ -88,7 +95,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         safety_net = FaultTolerance(check_every_n_steps=0)
         callbacks.append(safety_net)
     run_summary = RunSummary(monitor=cfg.monitor, mode=cfg.monitor_mode)
-    callbacks += [run_summary, RunPlanCheck(monitor=cfg.monitor, final_validation=bool(cfg.get("validate")))]
+    # RunPlanCheck first: it chooses the monitor at the first validation before RunSummary reads it
+    callbacks += [RunPlanCheck(monitor=cfg.monitor, final_validation=bool(cfg.get("validate"))), run_summary]
     loggers = _instantiate_group(cfg.get("logger"))
     if not loggers:
         dropped = [cb for cb in callbacks if isinstance(cb, pl.callbacks.LearningRateMonitor)]
@@ -131,8 +139,11 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
         "model": f"{type(model).__name__}: {n_params:,} parameters",
         "optimizer": optimizer_row(parts["optimizer"]),
         "threads": f"{torch.get_num_threads()} intra-op (torch)",
-        "monitor": f"{cfg.monitor} ({cfg.monitor_mode})",
+        "monitor": f"{cfg.monitor} ({cfg.monitor_mode})" if cfg.monitor is not None else
+                   "none named: chosen at the first validation from the metrics it logs (a val loss first)",
     }
+    if parts["optimizer"] is None and cfg.get("optimizer") is not None:
+        rows["optimizer"] = "the model's own (its config's model.optimizer, or configure_optimizers): optimizer= unused"
     for part in [dm, precision, *parts["callbacks"]]:
         rows.update(startup_rows_of(part))
     rows.update(startup_rows_of(trainer.strategy, model))  # a strategy sizes its memory estimate from the model
@@ -319,6 +330,9 @@ def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any],
         rows[f"final {key}"] = f"{value:.4f}"
     for extra in extras:
         rows[extra.label] = f"{extra.value:.4f}"
+    for part in [trainer.precision_plugin, trainer.strategy, *trainer.callbacks]:
+        if isinstance(part, EndOfRunReport):
+            rows.update({str(k): str(v) for k, v in part.end_rows().items()})
     rows["summary"] = str(out / "summary.json")
     print_table("lit_speed summary", rows)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
@@ -31,6 +32,36 @@ class BestAndLastCheckpoint(ModelCheckpoint):
 
         trainer = Trainer(callbacks=[BestAndLastCheckpoint(dirpath="ckpts", monitor="val/loss", save_last=True)])
     """
+
+    _built_with: tuple[str | None, str] | None = None  # (monitor, mode) before follow_monitor changed them
+
+    def follow_monitor(self, monitor: str, mode: str) -> None:
+        """Keep the best checkpoint by ``monitor`` from now on (chosen at the first validation), unless one was named.
+
+        Raises:
+            ValueError: If ``mode`` is not ``"min"`` or ``"max"``.
+        """
+        if self.monitor is not None:
+            return
+        if mode not in ("min", "max"):
+            raise ValueError(f"BestAndLastCheckpoint.follow_monitor(mode={mode!r}): mode must be 'min' or 'max'")
+        self._built_with = (self.monitor, self.mode)
+        self.monitor, self.mode = monitor, mode
+        if not self.best_k_models:  # as ModelCheckpoint sets it; a resumed run keeps the checkpoint's
+            self.kth_value = torch.tensor(torch.inf if mode == "min" else -torch.inf)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # Lightning keys a callback's checkpoint state by its monitor and mode: a callback that took its monitor after
+        # construction keeps the key it was built with, so a resumed run (built with monitor=None again) finds it
+        if self._built_with is None:
+            return super().state_key
+        followed, (self.monitor, self.mode) = (self.monitor, self.mode), self._built_with
+        try:
+            return super().state_key
+        finally:
+            self.monitor, self.mode = followed
 
     def _save_last_if_due(self, trainer: "pl.Trainer", hook: str) -> None:
         """Write ``last.ckpt`` when a checkpoint is due here and the newest file is older than this step."""

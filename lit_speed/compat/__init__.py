@@ -1,4 +1,4 @@
-"""The one door to private Lightning, DeepSpeed and torch names: every access lit_speed makes to one is here.
+"""The one door to private Lightning, DeepSpeed, torch and Hydra names: every access lit_speed makes to one is here.
 
 Nothing else in ``lit_speed`` reads, writes, imports or overrides a private name of these libraries
 (``tests/test_architecture.py`` scans for it); ``tests/compat/test_compat.py`` pins every name used here and fails
@@ -11,6 +11,8 @@ Modules, by library (each function states the version it was written against):
   closure hook, a module's trainer link, a strategy's precision-plugin property and DDP's environment setup.
 * :mod:`lit_speed.compat.lightning_data` - the fit loop's data fetcher and data source.
 * :mod:`lit_speed.compat.deepspeed` - DeepSpeed itself and Lightning's ``DeepSpeedStrategy`` internals.
+* :mod:`lit_speed.compat.hydra` - Hydra's command-line parser and ``@hydra.main``'s config search path (hydra-core
+  1.3.8), so the pre-flight composes from the folders Hydra will search.
 * :mod:`lit_speed.compat.torch` - private torch ops and modules (``_foreach_*``, pytree, dispatch modes,
   ``torch.compile``'s module wrapper, the oneDNN bf16 check).
 

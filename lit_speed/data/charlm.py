@@ -216,6 +216,8 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
     of ``batch_size`` slices and a collate), in the same shuffled order as ``shuffle=True``.
     """
 
+    batch_kind = "tokens->next-token"  # what model= must take (lit_speed.run_contract.BatchSource)
+
     def __init__(
         self,
         cache_dir: str,

@@ -58,6 +58,7 @@ class DigitsDataModule(ResumableOrderHooks, pl.LightningDataModule):
 
     num_classes = 10
     in_features = 64
+    batch_kind = "features->class"  # what model= must take (lit_speed.run_contract.BatchSource)
 
     def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0, num_workers: int | str = 0,
                  pin_memory: bool | str = "auto", persistent_workers: bool = False, prefetch_factor: int | None = None,

@@ -112,6 +112,7 @@ class GPTModule(pl.LightningModule):
 
     monitor = "val/loss"
     monitor_mode = "min"
+    accepted_batch_kinds = ("tokens->next-token",)  # lit_speed.run_contract.BatchConsumer
 
     def __init__(self, vocab_size: int = 97, block_size: int = 64, n_layer: int = 4, n_head: int = 4,
                  n_embd: int = 128, dropout: float = 0.0, bias: bool = False,

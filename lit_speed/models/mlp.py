@@ -28,6 +28,7 @@ class MLPClassifier(pl.LightningModule):
 
     monitor = "val/acc"  # default metric for checkpointing, early stopping and sweeps
     monitor_mode = "max"
+    accepted_batch_kinds = ("features->class",)  # lit_speed.run_contract.BatchConsumer
 
     def __init__(self, in_features: int = 64, num_classes: int = 10, hidden: int = 256, depth: int = 2,
                  dropout: float = 0.1, optimizer: Callable[..., torch.optim.Optimizer] | None = None,

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_speed.monitoring.diagnosis import RunStats, diagnose, verdict_rows
+from lit_speed.monitoring.diagnosis import RunStats, diagnose, format_compute, verdict_rows
 from lit_speed.monitoring.flops import (FlopCount, compute_dtype, contains_compiled, gpu_peak_flops,
                                        measure_cpu_peak_flops)
 from lit_speed.monitoring.samplers import HostStats, NvmlSampler, summarize_gpu_samples
@@ -317,6 +317,16 @@ class DeviceStatsLogger(Callback):
         every = f"every {self.interval} optimizer steps" if self.interval else "every log_every_n_steps"
         peak = f"peak {self.peak_flops:.3g} FLOP/s" if self.peak_flops else "peak measured/looked up"
         return {"device stats": f"{every}: time split, throughput, memory, MFU ({peak}); verdict -> bottleneck.json"}
+
+    def end_rows(self) -> dict[str, str]:
+        """Rows for the runner's end-of-run table: achieved FLOP/s and MFU (``lit_speed.run_contract.EndOfRunReport``)."""
+        evidence = self.result.get("evidence", {})
+        if not evidence.get("flops_per_sec"):
+            why = "FLOPs not counted" if self.flops_per_batch is None else "no timed batch"
+            return {"compute (MFU)": f"n/a ({why}; see bottleneck.json)"} if self.result else {}
+        peak = self.result.get("peak_flops_source", "")
+        return {"compute (MFU)": format_compute(evidence["flops_per_sec"], evidence.get("mfu"))
+                + (f" (peak: {peak})" if peak else "")}
 
     def final_summary(self) -> dict[str, Any]:
         """The verdict (``bottleneck.json``'s content) for the run summary."""

@@ -95,7 +95,8 @@ def _device_finding(stats: RunStats, fracs: dict[str, float]) -> dict[str, Any]:
                            f"{_pct(fracs['data_wait'])} of step time went to waiting for data",
                 "next_step": "launch fewer, larger kernels: grow the micro-batch (data.batch_size) or compile the "
                              "model (torch.compile) to cut per-operator Python and launch overhead"}
-    mfu = f" at {_pct(stats.mfu)} MFU" if stats.mfu is not None else ""
+    mfu = f" at {_pct(stats.mfu) if stats.mfu >= 0.01 else f'{100 * stats.mfu:.2g}%'} MFU" \
+        if stats.mfu is not None else ""
     if stats.mfu is not None and stats.mfu < LOW_MFU:
         advice = ("the matmuls run well below the device peak: a larger micro-batch (data.batch_size) makes them "
                   "bigger, and torch.compile fuses the small element-wise operators between them")
@@ -167,6 +168,15 @@ def diagnose(stats: RunStats) -> dict[str, Any]:
             "evidence": evidence, "findings": [{k: v for k, v in f.items() if k != "score"} for f in findings]}
 
 
+def format_compute(flops_per_sec: float, mfu: float | None) -> str:
+    """``"0.0250 TFLOP/s, MFU 25.0%"``; a small model's rate in GFLOP/s and its MFU with two significant digits
+    (``"1.70 GFLOP/s, MFU 0.0022%"``), so a non-zero MFU never reads 0.0%."""
+    rate = f"{flops_per_sec / 1e12:.4f} TFLOP/s" if flops_per_sec >= 1e9 else f"{flops_per_sec / 1e9:.3g} GFLOP/s"
+    if mfu is None:
+        return rate
+    return f"{rate}, MFU {100 * mfu:.1f}%" if mfu >= 1e-3 else f"{rate}, MFU {100 * mfu:.2g}%"
+
+
 def verdict_rows(result: dict[str, Any]) -> dict[str, str]:
     """Rows of the end-of-fit table: verdict, time split, MFU, then each other finding and its next step."""
     ev = result["evidence"]
@@ -176,8 +186,7 @@ def verdict_rows(result: dict[str, Any]) -> dict[str, str]:
                               f"{_pct(ev['forward_backward_frac'])} | optimizer {_pct(ev['optimizer_frac'])} "
                               f"({ev['batches']} batches, {ev['step_time_ms']:.1f} ms each)")
     if ev.get("flops_per_sec"):
-        mfu = f", MFU {100 * ev['mfu']:.1f}%" if ev.get("mfu") is not None else ""
-        rows["compute"] = f"{ev['flops_per_sec'] / 1e12:.4f} TFLOP/s{mfu}"
+        rows["compute"] = format_compute(ev["flops_per_sec"], ev.get("mfu"))
     if result["next_step"]:
         rows["next step"] = result["next_step"]
     for finding in result["findings"][1:]:

@@ -369,3 +369,48 @@ def test_torch_compile_returns_the_optimized_module_wrapper() -> None:
     wrapped = torch.compile(nn.Linear(2, 2), backend="eager")
     assert isinstance(wrapped, OptimizedModule) and torch_compat.is_compiled_wrapper(wrapped)
     assert not torch_compat.is_compiled_wrapper(nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------- compat.hydra
+def test_hydra_version_is_the_one_the_helpers_were_written_for() -> None:
+    import hydra
+
+    from lit_speed.compat import hydra as hydra_compat
+
+    assert _major_minor(hydra.__version__) == _major_minor(hydra_compat.HYDRA_VERSION), (
+        f"hydra-core {hydra.__version__} installed; lit_speed/compat/hydra.py was written against "
+        f"{hydra_compat.HYDRA_VERSION}: re-check it against hydra._internal.utils._run_hydra, then update HYDRA_VERSION")
+
+
+def test_hydra_main_still_builds_its_search_path_the_way_the_preflight_copies() -> None:
+    # initialized_like_main copies these steps of hydra._internal.utils._run_hydra: the automatic search path from
+    # the calling file and config_path, then --config-dir prepended before the schema source
+    from hydra._internal.utils import _run_hydra
+
+    source = _source(_run_hydra)
+    assert "create_automatic_config_search_path(calling_file,calling_module,config_path)" in source
+    assert 'search_path.prepend(provider="command-line",path=f"file://{abs_config_dir}",' \
+           'anchor=SearchPathQuery(provider="schema"),)' in source
+    assert "Hydra.create_main_hydra2(task_name=task_name,config_search_path=search_path)" in source
+
+
+def test_hydra_parser_reads_the_flags_the_preflight_needs(tmp_path) -> None:
+    from lit_speed.compat.hydra import initialized_like_main, parse_command_line
+
+    args, unrecognized = parse_command_line(["-m", "--config-dir=my_conf", "-cn", "mine", "--config-path", "/abs",
+                                             "a=1", "--cfg", "job", "b=2"])
+    assert (args.config_dir, args.config_name, args.config_path, args.overrides, args.multirun) == \
+           ("my_conf", "mine", "/abs", ["a=1"], True)
+    assert unrecognized == ["b=2"]  # @hydra.main refuses it: "unrecognized arguments"
+    (tmp_path / "extra" / "model").mkdir(parents=True)
+    (tmp_path / "extra" / "model" / "mine.yaml").write_text("_target_: x.Y\n")
+    from hydra import compose
+    from hydra.core.global_hydra import GlobalHydra
+
+    with initialized_like_main(str(tmp_path / "train.py"), "main_conf", str(tmp_path / "extra")):
+        (tmp_path / "main_conf").mkdir()
+        (tmp_path / "main_conf" / "train.yaml").write_text("defaults:\n  - model: mine\n")
+        sources = compose("train", return_hydra_config=True).hydra.runtime.config_sources
+        assert [(s.provider, s.path) for s in sources if s.schema == "file"] == [
+            ("main", str(tmp_path / "main_conf")), ("command-line", str(tmp_path / "extra"))]
+    assert not GlobalHydra.instance().is_initialized()  # restored as it was

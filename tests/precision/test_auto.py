@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -264,3 +265,32 @@ def test_auto_resumes_with_the_checkpoints_decision_without_timing_again(
     assert again.mode == "bf16-master" and "restored from the checkpoint (not timed again)" in again.reason
     assert all(p.dtype == torch.bfloat16 for p in resumed.parameters())  # the masters were rebuilt
     assert trainer.global_step == 5
+
+
+def test_a_plain_trainer_and_the_hydra_runner_log_the_same_measured_decision(
+        bf16_cpu: None, make_cfg, caplog: pytest.LogCaptureFixture) -> None:
+    """The issue-24 door check, timed for real (no stand-in timings): ``Trainer(plugins=[GuardedPrecision("auto")])``
+    and ``scripts/train.py precision=auto`` both time the model's own step on its first training batch and log one
+    decision line of the same form, with the three step times; neither falls back to the matmul probe."""
+    from lit_speed.runner import train
+
+    line = re.compile(r"^GuardedPrecision: precision=auto -> (32-true|bf16-master|bf16-mixed) \(.*timed this model's "
+                      r"step on one micro-batch: 32-true [\d.]+ ms, bf16-master [\d.]+ ms, bf16-mixed [\d.]+ ms\)$")
+
+    def decisions() -> list[str]:
+        found = [r.getMessage() for r in caplog.records if "precision=auto ->" in r.getMessage()]
+        caplog.clear()
+        return found
+
+    with caplog.at_level("INFO"):
+        plugin = GuardedPrecision("auto")
+        _fit(plugin)  # a plain Lightning project: plain dataloaders, no lit_speed runner
+        plain = decisions()
+        summary = train(make_cfg(["precision=auto", "trainer.max_steps=3", "trainer.limit_val_batches=1",
+                                  "logger=none", "callbacks=none", "validate=false", "trainer.enable_progress_bar=false",
+                                  "trainer.enable_model_summary=false"]))
+        hydra = decisions()
+    assert len(plain) == 1 and line.match(plain[0]), plain
+    assert len(hydra) == 1 and line.match(hydra[0]), hydra
+    assert plugin.mode == line.match(plain[0]).group(1)  # the line says what the run then trained in
+    assert summary["components"]["GuardedPrecision"]["mode"] == line.match(hydra[0]).group(1)

@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from lit_speed.config_check import ConfigError, preflight
+from lit_speed.data.charlm import CharLMDataModule
+from lit_speed.data.digits import DigitsDataModule
 from lit_speed.models.gpt import GPTModule
+from lit_speed.models.mlp import MLPClassifier
+from lit_speed.run_contract import BatchConsumer, BatchSource
 from lit_speed.run_checks import check_activation_memory
 from lit_speed.runner import build, train
 from tests.helpers.repo import CONF
@@ -25,7 +29,19 @@ SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit
 
 
 def test_every_data_option_has_a_matching_model():
-    assert sorted(MATCHING) == DATA, "a new data option: say which model it feeds (and in run_checks.DATA_MODEL)"
+    assert sorted(MATCHING) == DATA, "a new data option: say which model it feeds (and declare its batch_kind)"
+
+
+def test_bundled_datamodules_and_models_declare_what_they_yield_and_take():
+    # the pairing check reads these declarations (lit_speed.run_contract), not class names
+    assert isinstance(DigitsDataModule, BatchSource) and isinstance(CharLMDataModule, BatchSource)
+    assert isinstance(MLPClassifier, BatchConsumer) and isinstance(GPTModule, BatchConsumer)
+    assert DigitsDataModule.batch_kind in MLPClassifier.accepted_batch_kinds
+    assert CharLMDataModule.batch_kind in GPTModule.accepted_batch_kinds
+    assert DigitsDataModule.batch_kind not in GPTModule.accepted_batch_kinds
+
+
+KIND = {"mlp": ("MLPClassifier", "features->class"), "gpt": ("GPTModule", "tokens->next-token")}
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -35,16 +51,29 @@ def test_data_model_pair_builds_or_is_refused_naming_both_fixes(make_cfg, data, 
     if MATCHING[data] == model:
         preflight(overrides)
         parts = build(make_cfg(overrides))
-        assert type(parts["model"]).__name__ == {"mlp": "MLPClassifier", "gpt": "GPTModule"}[model]
+        assert type(parts["model"]).__name__ == KIND[model][0]
         return
-    with pytest.raises(ConfigError, match=rf"does not fit model={model} .*Fix: data=digits model=mlp, "
-                                          r"or experiment=charlm_cpu \(data=charlm model=gpt\)"):
+    cls, takes = KIND[model]
+    fits, yields = MATCHING[data], KIND[MATCHING[data]][1]
+    other = "digits" if model == "mlp" else "charlm"
+    with pytest.raises(ConfigError, match=rf"data \(\w+\) does not fit model \({cls}\): it yields '{yields}' batches, "
+                                          rf"{cls} takes '{takes}'\. Fix: model={fits}, or data={other}, "
+                                          r"or experiment=charlm_cpu \(data=charlm model=gpt\)$"):
         preflight(overrides)
+
+
+def test_a_pair_that_declares_nothing_is_not_checked(make_cfg):
+    # a foreign class without batch_kind / accepted_batch_kinds: nothing to compare, the run decides
+    preflight(["data=charlm", "model._target_=tests.runner.test_bad_input.UndeclaredMLP"])
+
+
+class UndeclaredMLP(MLPClassifier):
+    accepted_batch_kinds = None  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("overrides", [["data=charlm"], ["data=charlm_curriculum"], ["model=gpt"]])
 def test_a_single_data_or_model_option_is_refused_before_anything_starts(overrides):
-    with pytest.raises(ConfigError, match="does not fit model=.*Fix: "):
+    with pytest.raises(ConfigError, match=r"does not fit model \(\w+\): it yields .*Fix: "):
         preflight(overrides)
 
 
@@ -181,3 +210,42 @@ def test_offload_option_alone_runs_with_cpu_adam(tmp_path):
     assert summary["global_step"] == 1
     assert summary["config"]["optimizer"]["_target_"] == "lit_speed.strategies.cpu_adam.CPUAdam"
     assert summary["startup"]["zero"].startswith("stage 2, offload: optimizer")
+
+
+# ---- switching a preset's optimizer, precision or accumulation: it runs, or stops in one line naming the fix ----
+# (issue 24: `experiment=charlm_fast optimizer=adamw` ended in a TypeError on Muon's `adamw_lr` at the first step)
+TAKES_NO = r"takes no argument 'adamw_lr' \(it takes: .*\); a preset or the option whose _target_ was replaced sets it"
+PRESET_SWITCHES = {
+    "experiment=charlm_fast optimizer=adamw": rf"^optimizer\.adamw_lr=0\.003: AdamW {TAKES_NO}\. Fix: "
+                                              r"~optimizer\.adamw_lr to drop it \(.*lr.*\), or optimizer=<muon> \(takes it\)$",
+    "experiment=charlm_fast optimizer=sgd": rf"^optimizer\.adamw_lr=0\.003: SGD {TAKES_NO}\. Fix: ~optimizer\.adamw_lr",
+    "experiment=charlm_fast optimizer=adamw ~optimizer.adamw_lr optimizer.lr=0.003": None,  # runs
+    "experiment=charlm_fast optimizer=sgd ~optimizer.adamw_lr": None,
+    "experiment=charlm_fast precision=32-true": None,
+    "experiment=charlm_fast precision=bf16-mixed": None,
+    "experiment=charlm_fast accumulation=none": r"^accumulation\.effective_batch=\[\[0, 12\], \[200, 24\]\]: nothing in "
+                                                r"accumulation builds from effective_batch, ramp, lr_scaling .*would be "
+                                                r"ignored\. Fix: accumulation=<fixed \| ramp> \(they take them\), or drop "
+                                                r"them: ~accumulation\.effective_batch ~accumulation\.ramp "
+                                                r"~accumulation\.lr_scaling$",
+    "experiment=charlm_fast accumulation=none ~accumulation.effective_batch ~accumulation.ramp ~accumulation.lr_scaling":
+        None,
+    "experiment=charlm_fast accumulation=fixed": r"AccumulationScheduler\(factors=\[\[0, 4\]\]\): give exactly one of "
+                                                 r"factors=.* or effective_batch=",
+}
+TWO_STEPS = ["trainer.max_steps=2", "trainer.val_check_interval=1", "trainer.limit_val_batches=1", "logger=none",
+             "validate=false", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+
+
+@pytest.mark.parametrize("command", list(PRESET_SWITCHES))
+def test_switching_a_presets_component_runs_or_stops_in_one_line(make_cfg, command):
+    overrides, message = command.split(), PRESET_SWITCHES[command]
+    if message is None:
+        preflight(overrides)
+        summary = train(make_cfg([*overrides, *TWO_STEPS]))  # the optimizer is built at the first step
+        assert summary["global_step"] == 2
+        return
+    with pytest.raises(ConfigError, match=message) as error:
+        preflight(overrides)  # refusals of the config
+        train(make_cfg([*overrides, *TWO_STEPS]))  # refusals of a component as it is built, before training
+    assert "\n" not in str(error.value)

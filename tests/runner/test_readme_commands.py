@@ -36,6 +36,10 @@ def _code_lines(text: str) -> list[str]:
     return lines
 
 
+# argv -> the PYTHONPATH its command sets (``PYTHONPATH=examples/own_model python scripts/train.py ...``)
+PYTHONPATHS: dict[tuple[str, ...], str] = {}
+
+
 def _argv(command: str) -> list[str] | None:
     """The arguments after ``scripts/train.py``, or ``None`` for a placeholder command (``...``, ``<run>``)."""
     command = re.split(r"\s#\s|\s{2,}#", command)[0]  # drop a trailing comment
@@ -43,6 +47,10 @@ def _argv(command: str) -> list[str] | None:
     argv = words[words.index(ENTRY) + 1:] if ENTRY in words else []
     if any("..." in w or "<" in w for w in argv):
         return None
+    path = next((w.split("=", 1)[1] for w in words[:words.index("python")] if w.startswith("PYTHONPATH=")), None) \
+        if "python" in words else None
+    if path is not None:
+        PYTHONPATHS[tuple(argv)] = path
     return argv
 
 
@@ -81,7 +89,10 @@ def test_the_readme_shows_the_commands_this_test_expects_to_find() -> None:
 
 
 @pytest.mark.parametrize("argv", PASSING, ids=[" ".join(a)[:80] or "(defaults)" for a in PASSING])
-def test_readme_command_composes_and_passes_preflight(argv: list[str]) -> None:
+def test_readme_command_composes_and_passes_preflight(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    if tuple(argv) in PYTHONPATHS:  # the command's own PYTHONPATH= (a user's package), relative to the checkout
+        monkeypatch.syspath_prepend(str(ROOT / PYTHONPATHS[tuple(argv)]))
+    monkeypatch.chdir(ROOT)  # relative --config-dir / file:// paths are relative to where the command runs
     preflight(argv)
 
 
