@@ -156,6 +156,8 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
 
 def optimizer_row(factory: Any) -> str:
     """The optimizer a ``_partial_`` factory builds, with its LR and the kernel settings decided at run time."""
+    if factory is None:
+        return "the model's own (configure_optimizers)"
     func = getattr(factory, "func", factory)
     keywords = getattr(factory, "keywords", {}) or {}
     shown = [f"{k}={keywords[k]}" for k in ("lr", "adamw_lr", "fused", "foreach", "ns_dtype", "adamw_kernel")

@@ -67,7 +67,7 @@ CASES = {
     "lr_zero": (["optimizer.lr=0"], r"optimizer\.lr=0: the model would not train.*Fix", True),
     "one_beta": (["optimizer.betas=[0.9]"], r"optimizer\.betas=\[0\.9\]: needs two numbers.*Fix", True),
     "unbalanced_bracket": (["trainer.max_steps=[1,2"], r"not a valid override.*Fix: balance its brackets", True),
-    "folder_as_checkpoint": ([f"ckpt_path={DAMAGED.parent}"], r"is a folder, not a checkpoint\. Fix", True),
+    "folder_as_checkpoint": ([f"ckpt_path={DAMAGED.parent}"], r"is a folder, not a checkpoint( \(it holds damaged\.ckpt\))?\. Fix", True),
     "val_check_interval_zero": (["trainer.val_check_interval=0"], r"trainer\.val_check_interval=0: .*Fix", True),
     "check_val_every_zero": (["trainer.check_val_every_n_epoch=0"], r"check_val_every_n_epoch=0: must be >= 1", True),
     "unknown_monitor": (["monitor=val/nonexistent"], r"monitor=val/nonexistent: the model does not log it.*Fix",
