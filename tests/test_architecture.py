@@ -32,6 +32,7 @@ SHARED_MODULES = (
     "lit_speed.step_logging",  # cheap per-step self.log of changing values
     "lit_speed.oom",          # out-of-memory errors in all their disguises
     "lit_speed.data.pipeline",  # loader building blocks every DataModule uses
+    "lit_speed.tuning",       # choices timed on this machine (optimizer kernels, Muon dtype, ...), cached per machine
 )
 
 #: Underscore names that are public API of their owner, not private access. Names of the form ``_name_``

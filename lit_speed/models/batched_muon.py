@@ -96,8 +96,13 @@ class BatchedMuon(Muon):
                 counts[(min(p.shape), max(p.shape))] += 1
         shapes = [(n, rows, cols) for (rows, cols), n in sorted(counts.items())]
         device = group["params"][0].device
-        self.ns_decision = on_rank_zero(lambda: choose_ns_dtype(shapes, group["ns_coefficients"], group["ns_steps"],
-                                                                device))
+        coefficients, steps = group["ns_coefficients"], group["ns_steps"]
+
+        def orthogonalise(stack: Tensor, dtype: torch.dtype) -> Tensor:
+            return newton_schulz_batched(stack, coefficients, steps, 1e-7, dtype)
+
+        self.ns_decision = on_rank_zero(lambda: choose_ns_dtype(shapes, orthogonalise, device,
+                                                                key={"steps": steps}))
         for g in self.param_groups:
             if g.get("ns_dtype") == "auto":
                 g["ns_dtype"] = self.ns_decision.chosen

@@ -63,24 +63,19 @@ def choose_adamw_kernel(params: Sequence[Tensor], default: str = "foreach") -> D
     return measured_choice("optimizer.adamw_kernel", key, candidates, default)
 
 
-def newton_schulz_in(dtype: torch.dtype, stacks: Sequence[Tensor], coefficients: tuple[float, float, float],
-                     steps: int) -> Callable[[], None]:
-    """One Newton-Schulz pass in ``dtype`` over every stack (as BatchedMuon runs it), for timing."""
-    from lit_speed.models.batched_muon import newton_schulz_batched
-
-    def run() -> None:
-        for stack in stacks:
-            newton_schulz_batched(stack, coefficients, steps, 1e-7, dtype)
-    return run
-
-
-def choose_ns_dtype(shapes: Sequence[Sequence[int]], coefficients: tuple[float, float, float], steps: int,
-                    device: torch.device | str = "cpu", default: str = "bfloat16") -> Decision:
-    """Time Muon's Newton-Schulz on stacks of these ``(n, rows, cols)`` shapes in each of :data:`NS_DTYPES`."""
+def choose_ns_dtype(shapes: Sequence[Sequence[int]], orthogonalise: Callable[[Tensor, torch.dtype], Any],
+                    device: torch.device | str = "cpu", default: str = "bfloat16", key: dict[str, Any] | None = None
+                    ) -> Decision:
+    """Time Muon's Newton-Schulz (``orthogonalise(stack, dtype)``, e.g. ``BatchedMuon``'s) on stacks of these
+    ``(n, rows, cols)`` shapes in each of :data:`NS_DTYPES`; ``key`` adds what else the timing depends on (steps)."""
     stacks = [torch.randn(tuple(s), device=device) for s in shapes]
-    candidates = {name: newton_schulz_in(getattr(torch, name), stacks, coefficients, steps) for name in NS_DTYPES}
-    key = {"shapes": sorted(list(s) for s in shapes), "steps": steps, "device": str(device)}
-    return measured_choice("optimizer.ns_dtype", key, candidates, default)
+
+    def run_in(dtype: torch.dtype) -> Callable[[], None]:
+        return lambda: [orthogonalise(stack, dtype) for stack in stacks]
+
+    candidates = {name: run_in(getattr(torch, name)) for name in NS_DTYPES}
+    full_key = {"shapes": sorted(list(s) for s in shapes), "device": str(device), **(key or {})}
+    return measured_choice("optimizer.ns_dtype", full_key, candidates, default)
 
 
 def on_rank_zero(decide: Callable[[], Decision]) -> Decision:

@@ -63,8 +63,8 @@ def test_auto_ns_dtype_is_decided_once_and_kept_in_the_checkpoint(fixed_choice, 
 def test_auto_choices_are_timed_on_the_optimizers_own_shapes(monkeypatch):
     seen = {}
 
-    def ns(shapes, coefficients, steps, device, default="bfloat16"):
-        seen["ns"] = (sorted(map(tuple, shapes)), steps)
+    def ns(shapes, orthogonalise, device, default="bfloat16", key=None):
+        seen["ns"] = (sorted(map(tuple, shapes)), key["steps"])
         return Decision("optimizer.ns_dtype", "bfloat16", "stand-in")
 
     def adamw(params, default="foreach"):
