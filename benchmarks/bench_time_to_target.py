@@ -13,6 +13,10 @@ interleaved over seeds (the variant order rotates per seed):
 - ``plain_lightning_same_recipe``: plain Lightning with charlm_fast's micro-batch, AdamW LR and LR schedule
   (read from its YAML) but none of lit_speed's components: what the components add beyond tuning.
 - ``plain_loop``: benchmarks/plain_loop.py with the plain_lightning recipe, no framework.
+- ``foreign_plain`` / ``foreign_lit_speed``: a user's own GPT LightningModule (``benchmarks/foreign_gpt.py``, not
+  ``lit_speed.models``, same size) in plain Lightning with the plain_lightning recipe, and the same module with the
+  preset's levers plugged in by hand (GuardedPrecision, AccumulationScheduler, MuonAdamW + WSD; values read
+  from the preset's YAML): does the win travel to a model lit_speed did not write?
 
 The instrument is identical in every variant (:class:`lit_speed.reporting.FixedValidationClock`): the same
 512 evenly spaced validation windows, every ``--every-tokens`` training tokens (76,800 = 100 steps at
@@ -35,7 +39,9 @@ import _common  # noqa: F401 - puts the repository on sys.path
 from _common import ROOT, stats, write_result
 
 CACHE = str(ROOT / ".cache" / "charlm")
-VARIANTS = ("lit_speed", "plain_lightning", "plain_lightning_same_recipe", "plain_loop")
+VARIANTS = ("lit_speed", "plain_lightning", "plain_lightning_same_recipe", "plain_loop", "foreign_lit_speed",
+            "foreign_plain")
+DEFAULT_VARIANTS = ("lit_speed", "plain_lightning", "plain_lightning_same_recipe", "plain_loop")
 PLAIN_RECIPE = {"batch_size": 12, "lr": 1e-3, "schedule": None}
 
 
@@ -93,6 +99,28 @@ def child_lightning(seed: int, steps: int, target: float, every_tokens: int, out
         trainer.fit(PlainGPT(), datamodule=dm)
 
 
+def child_foreign(name: str, seed: int, steps: int, target: float, every_tokens: int, out: str) -> None:
+    """The user's own GPT module, plain (``foreign_plain``) or with the preset's levers (``foreign_lit_speed``)."""
+    import lightning.pytorch as pl
+
+    import foreign_gpt
+    from lit_speed.data.charlm import CharLMDataModule
+    from lit_speed.reporting.fixed_validation import FixedValidationClock
+
+    levers = foreign_gpt.preset_levers(str(ROOT)) if name == "foreign_lit_speed" else None
+    make_optimizer, plugins, callbacks = (foreign_gpt.lit_speed_parts(levers) if levers is not None
+                                          else foreign_gpt.plain_parts(PLAIN_RECIPE["lr"]))
+    pl.seed_everything(seed)
+    dm = CharLMDataModule(cache_dir=CACHE, block_size=64,
+                          batch_size=levers["batch_size"] if levers else PLAIN_RECIPE["batch_size"])
+    clock = FixedValidationClock(target=target, every_tokens=every_tokens, out_path=out)
+    model = foreign_gpt.UserGPT(97, 64, make_optimizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, plugins=plugins,
+                             callbacks=[*callbacks, clock], default_root_dir=tmp)
+        trainer.fit(model, datamodule=dm)
+
+
 def child_plain_loop(seed: int, steps: int, target: float, every_tokens: int, out: str) -> None:
     import plain_loop
 
@@ -131,15 +159,20 @@ def run_variant(name: str, seed: int, steps: int | None, target: float, every_to
         return json.loads(Path(out).read_text())
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Median and spread of time/steps/tokens to target per variant (over the runs that reached it)."""
+def first_reaching(out: dict[str, Any], target: float) -> dict[str, Any] | None:
+    """The first validation of a run at or below ``target`` (its wall seconds, step, tokens), or None."""
+    return next((h for h in out["history"] if h["val_loss"] <= target), None)
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], target: float) -> dict[str, Any]:
+    """Median and spread of time/steps/tokens to ``target`` per variant (over the runs that reached it)."""
     summary: dict[str, Any] = {}
     for name, outs in runs.items():
-        reached = [o for o in outs if o["time_to_target_s"] is not None]
-        summary[name] = {"reached": f"{len(reached)}/{len(outs)}",
-                         "time_to_target_s": stats([o["time_to_target_s"] for o in reached]) if reached else None,
-                         "steps_to_target": stats([o["target_step"] for o in reached]) if reached else None,
-                         "tokens_to_target": stats([o["target_tokens"] for o in reached]) if reached else None,
+        hits = [h for h in (first_reaching(o, target) for o in outs) if h is not None]
+        summary[name] = {"reached": f"{len(hits)}/{len(outs)}",
+                         "time_to_target_s": stats([h["wall_s"] for h in hits]) if hits else None,
+                         "steps_to_target": stats([h["step"] for h in hits]) if hits else None,
+                         "tokens_to_target": stats([h["tokens"] for h in hits]) if hits else None,
                          "best_val_loss": min((o["best_val_loss"] for o in outs if o["best_val_loss"] is not None),
                                               default=None)}
     return summary
@@ -187,12 +220,16 @@ def plot(runs: dict[str, list[dict[str, Any]]], target: float, path: Path) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=float, default=1.80)
+    parser.add_argument("--lower-targets", default="1.75,1.70,1.65",
+                        help="lower val/loss targets each run goes on to (within its budget): is a variant still ahead "
+                             "at every target the plain run reaches?")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None,
                         help="step budget of every variant (default: 3000 for the references, the preset's own "
                              "horizon for lit_speed); setting it is smoke mode: nothing is written")
     parser.add_argument("--every-tokens", type=int, default=76_800)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)}")
     parser.add_argument("--child", choices=VARIANTS[1:], default=None)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", default=None)
@@ -200,6 +237,8 @@ def main() -> None:
     if args.child:
         if args.child == "plain_loop":
             child_plain_loop(args.seed, args.steps, args.target, args.every_tokens, args.out)
+        elif args.child.startswith("foreign_"):
+            child_foreign(args.child, args.seed, args.steps, args.target, args.every_tokens, args.out)
         else:
             recipe = preset_recipe() if args.child == "plain_lightning_same_recipe" else PLAIN_RECIPE
             child_lightning(args.seed, args.steps, args.target, args.every_tokens, args.out, recipe)
@@ -209,32 +248,42 @@ def main() -> None:
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     load_start = os.getloadavg()
+    lower = sorted((float(t) for t in args.lower_targets.split(",") if t.strip()), reverse=True)
+    stop_at = min([args.target, *lower])
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for s in range(args.seeds):
         seed = 42 + s
         for name in names[s % len(names):] + names[:s % len(names)]:
-            out = run_variant(name, seed, args.steps, args.target, args.every_tokens)
+            out = run_variant(name, seed, args.steps, stop_at, args.every_tokens)
             runs[name].append(out)
-            print(f"seed {seed} {name:28s} reached={out['reached']} t={out['time_to_target_s']} "
-                  f"step={out['target_step']} best={out['best_val_loss']:.4f}", flush=True)
-    summary = summarize(runs)
+            hit = first_reaching(out, args.target)
+            print(f"seed {seed} {name:28s} {args.target}: t={hit and hit['wall_s']} step={hit and hit['step']} "
+                  f"best={out['best_val_loss']:.4f}", flush=True)
+    summary = summarize(runs, args.target)
+    at_lower = {f"{t:.2f}": summarize(runs, t) for t in lower}
+    ahead = {t: {name: ratio(s_, name, base) for name, base in (("lit_speed", "plain_lightning"),
+                                                                ("foreign_lit_speed", "foreign_plain"))}
+             for t, s_ in at_lower.items()}
     ratios = {"lit_speed/plain_lightning": ratio(summary, "lit_speed", "plain_lightning"),
               "lit_speed/plain_lightning_same_recipe": ratio(summary, "lit_speed", "plain_lightning_same_recipe"),
               "plain_lightning_same_recipe/plain_lightning": ratio(summary, "plain_lightning_same_recipe",
                                                                    "plain_lightning"),
-              "plain_loop/plain_lightning": ratio(summary, "plain_loop", "plain_lightning")}
+              "plain_loop/plain_lightning": ratio(summary, "plain_loop", "plain_lightning"),
+              "foreign_lit_speed/foreign_plain": ratio(summary, "foreign_lit_speed", "foreign_plain")}
     for name in names:
         t, st = summary[name]["time_to_target_s"], summary[name]["steps_to_target"]
         print(f"{name:28s} reached {summary[name]['reached']}: " + (
             f"{t['median']:.1f} s (min {t['min']:.1f}, max {t['max']:.1f}), {st['median']:.0f} steps"
             if t else f"not reached (best {summary[name]['best_val_loss']})"))
-    print(f"ratios (median time to target): {ratios}  (goal: lit_speed/plain_lightning <= 0.5, "
-          f"lit_speed/plain_lightning_same_recipe <= 0.77)")
+    print(f"ratios (median time to {args.target}): {ratios}  (goal: lit_speed/plain_lightning <= 0.33, "
+          f"foreign_lit_speed/foreign_plain <= 0.5)")
+    print(f"ratios at the lower targets (None: a side did not reach it): {ahead}")
     if args.steps is not None:
         print("smoke mode (--steps given): no JSON, LOG.md line or PNG written")
         return
     results = {"target_val_loss": args.target, "seeds": args.seeds, "every_tokens": args.every_tokens,
                "reference_budget_steps": 3000, "preset": preset_recipe(), "summary": summary, "ratios": ratios,
+               "lower_targets": {"summary": at_lower, "ratios": ahead},
                "runs": runs, "cpu": cpu_details(), "load_average_start_end": [load_start, os.getloadavg()]}
     png = ROOT / "benchmarks" / "results" / "time_to_target.png"
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -243,7 +292,9 @@ def main() -> None:
                  f"charlm val/loss <= {args.target}, clock from launch, {args.seeds} seeds: charlm_fast / plain "
                  f"Lightning = x{ratios['lit_speed/plain_lightning']}, / same recipe = "
                  f"x{ratios['lit_speed/plain_lightning_same_recipe']}, plain loop / Lightning = "
-                 f"x{ratios['plain_loop/plain_lightning']}; load avg {os.getloadavg()[0]:.1f}; PNG {png.name}")
+                 f"x{ratios['plain_loop/plain_lightning']}, foreign module with lit_speed / plain = "
+                 f"x{ratios['foreign_lit_speed/foreign_plain']}; at {', '.join(ahead)}: {ahead}; load avg "
+                 f"{os.getloadavg()[0]:.1f}; PNG {png.name}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from lit_speed.precision.nonfinite import Action, GuardCounters, all_finite, dec
 from lit_speed.precision.probe import DEFAULT_MAX_SLOWDOWN, cpu_has_native_bf16, measure_slowdown, slowdown_warning
 from lit_speed.precision.skip_aware_scheduler import SkipAwareScheduler
 from lit_speed.precision.step_timing import auto_mode_for
+from lit_speed.precision.thread_choice import ThreadChoice
 
 _WARNED_SLOW: set[torch.dtype] = set()  # the slowness warning is shown once per process and dtype
 
@@ -46,6 +47,8 @@ class GuardedPrecision(Precision):
         matmul_precision: ``highest`` | ``high`` | ``medium`` (TF32 on Ampere+) for float32 matmuls, or ``None``.
         fp32_modules: Classes, class names or module names kept in float32 under autocast.
         max_cpu_slowdown: Warn when a CPU low-precision matmul probes slower than this ratio to fp32.
+        threads: Intra-op threads: ``None`` (torch's), an int, or ``"auto"``: this model's step timed at 1..cores
+            threads on the first training batch, before ``auto`` times the modes (see :mod:`.thread_choice`).
 
     Raises:
         ValueError: An unknown mode or policy, a bad scaler setting, or (at setup) a device or strategy that
@@ -60,8 +63,10 @@ class GuardedPrecision(Precision):
                  fallback_chain: Sequence[str] | None = None, init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
                  min_scale: float = 1.0, matmul_precision: str | None = None,
-                 fp32_modules: Sequence[str | type] = (), max_cpu_slowdown: float = DEFAULT_MAX_SLOWDOWN) -> None:
+                 fp32_modules: Sequence[str | type] = (), max_cpu_slowdown: float = DEFAULT_MAX_SLOWDOWN,
+                 threads: int | str | None = None) -> None:
         self.requested_mode = modes.check_mode(mode)
+        self.threads = ThreadChoice(threads)
         if on_nonfinite is None:
             on_nonfinite = "skip" if mode == "bf16-true" else "fallback"
         self._user_chain = modes.check_chain(mode, fallback_chain, on_nonfinite)
@@ -165,6 +170,7 @@ class GuardedPrecision(Precision):
             self._warn_if_slow(modes.compute_dtype(self.mode))
         if self.mode == "16-mixed" and (self.scaler is None or self._scaler_device != self.device_type):
             self._make_scaler()
+        self.threads.apply_fixed()
         if self.matmul_precision is not None and self._previous_matmul_precision is None:
             self._previous_matmul_precision = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision(self.matmul_precision)
@@ -241,9 +247,12 @@ class GuardedPrecision(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        # the training loop hands every batch here before its transfer: precision=auto times the first one
-        if self._timing_candidates is not None and self._trainer is not None and self._trainer.training \
-                and not self._trainer.sanity_checking:
+        # the training loop hands every batch here before its transfer: threads=auto, then precision=auto, time
+        # the first one
+        training = self._trainer is not None and self._trainer.training and not self._trainer.sanity_checking
+        if training and self.threads.pending:
+            self.threads.decide(self._trainer, data, self.mode)
+        if self._timing_candidates is not None and training:
             self._decide_by_timing(data)
         return cast_floating(data, torch.bfloat16) if self.mode in ("bf16-true", "bf16-master") else data
 
@@ -395,7 +404,7 @@ class GuardedPrecision(Precision):
     @override
     def state_dict(self) -> dict[str, Any]:
         state = {"mode": self.mode, "start_mode": self._start_mode or self.mode, "reason": self.reason,
-                 "chain": list(self._chain), **self.counters.state_dict()}
+                 "chain": list(self._chain), **self.counters.state_dict(), **self.threads.state_dict()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
@@ -409,6 +418,7 @@ class GuardedPrecision(Precision):
                            f"(last {state_dict.get('mode')!r}); this run asks for {configured!r}, so the "
                            f"checkpoint's precision state is not restored.")
             return
+        self.threads.load_state_dict(state_dict)
         reused = self.requested_mode == "auto" and state_dict.get("mode") is not None
         self._timing_candidates = None  # auto's decision comes from the checkpoint: the resumed run is not re-timed
         self._switch_to(state_dict.get("mode", self.mode))
@@ -447,6 +457,8 @@ class GuardedPrecision(Precision):
                 "non-finite guard": guard}
         if self.mode == "16-mixed":
             rows["loss scaler"] = scaler
+        if self.threads.requested is not None:
+            rows["threads"] = self.threads.describe()
         if self.fp32_modules:
             rows["fp32 modules"] = ", ".join(getattr(m, "__name__", str(m)) for m in self.fp32_modules)
         return rows
@@ -456,7 +468,8 @@ class GuardedPrecision(Precision):
         return {"mode": self.mode, "requested": self.requested_mode, "reason": self.reason,
                 "attempted_steps": self.counters.attempted_steps, "skipped_steps": self.counters.skipped_steps,
                 "nonfinite_rate": self.counters.nonfinite_rate, "fallbacks": list(self.counters.fallbacks),
-                "loss_scale": self.metrics()["precision/loss_scale"]}
+                "loss_scale": self.metrics()["precision/loss_scale"], "threads": torch.get_num_threads(),
+                "threads_reason": self.threads.reason}
 
 
 def _trainer_of(module: nn.Module) -> "pl.Trainer | None":

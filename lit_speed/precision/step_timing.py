@@ -341,3 +341,51 @@ def _shapes(batch: Any) -> Any:
     if isinstance(batch, dict):
         return [[str(k), _shapes(v)] for k, v in sorted(batch.items(), key=lambda kv: str(kv[0]))]
     return type(batch).__name__
+
+
+# ---- the intra-op thread count, timed on the same step -------------------------------------------------------
+
+
+def thread_candidates(cores: int, processes: int = 1) -> list[int]:
+    """Thread counts worth timing for one of ``processes`` on ``cores`` cores: powers of two up to its share,
+    and the share itself."""
+    share = max(1, cores // max(1, processes))
+    counts = {share}
+    n = 1
+    while n < share:
+        counts.add(n)
+        n *= 2
+    return sorted(counts)
+
+
+def choose_threads(module: nn.Module, batch: Any, mode: str, counts: Sequence[int],
+                   device: torch.device | None = None) -> Any:
+    """Time this model's step (in ``mode``) at each intra-op thread count, interleaved, and pick one: the count
+    in use now is kept unless another is faster by the tuning margin. Cached per machine like the precision
+    timings; leaves no trace in the run (copies of the model; RNG states restored; the thread count restored).
+
+    Returns:
+        A :class:`~lit_speed.tuning.Decision` whose ``chosen`` is the count as a string.
+    """
+    from lit_speed.tuning import measured_choice
+
+    current = torch.get_num_threads()
+    counts = sorted(set(counts) | {current})
+    with preserved_rng_states(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step_input = _as_step_input(module, batch, device)
+        base = _detached_copy(module)
+        runs = {n: _ModeRun(base, mode, _loss_of) for n in counts}
+
+        def at(n: int) -> Callable[[], float]:
+            def run() -> float:
+                torch.set_num_threads(n)
+                return runs[n].step(step_input)
+            return run
+
+        try:
+            key = {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode,
+                   "params": sum(p.numel() for p in module.parameters()), "batch": _shapes(step_input)}
+            return measured_choice("precision.threads", key, {str(n): at(n) for n in counts}, default=str(current))
+        finally:
+            torch.set_num_threads(current)

@@ -1,0 +1,73 @@
+"""The intra-op thread count of a run: left to torch, set, or timed on the model's first training batch.
+
+On a CPU the best thread count for a small model is not always "all cores": synchronising threads costs more
+than a small matmul gains, and the break-even point depends on the CPU and the model. ``threads="auto"`` times
+the user's own step at 1, 2, 4, ... up to this process's share of the cores (:func:`~lit_speed.precision.
+step_timing.choose_threads`, cached per machine) and keeps the fastest. :class:`GuardedPrecision` owns the first
+batch, so it asks this helper before it times the precision modes (whose timings are then taken at the chosen
+count). The choice goes into the checkpoint and a resume reuses it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+
+class ThreadChoice:
+    """``threads``: ``None`` (torch's count), an int >= 1, or ``"auto"``.
+
+    Raises:
+        ValueError: Any other value, naming the setting.
+    """
+
+    def __init__(self, threads: int | str | None) -> None:
+        if not (threads is None or threads == "auto" or (isinstance(threads, int) and threads >= 1)):
+            raise ValueError(f"GuardedPrecision(threads={threads!r}): threads must be an int >= 1, 'auto' or None "
+                             f"(torch's count), got {threads!r}")
+        self.requested = threads
+        self.chosen: int | None = threads if isinstance(threads, int) else None
+        self.reason = "requested" if self.chosen is not None else "torch's default"
+        self.pending = threads == "auto"  # timed on the first training batch
+
+    def apply_fixed(self) -> None:
+        """Set a requested or restored count (at setup)."""
+        if self.chosen is not None:
+            torch.set_num_threads(self.chosen)
+
+    def decide(self, trainer: Any, batch: Any, mode: str) -> None:
+        """``threads="auto"``: rank 0 times the step at each candidate count, every rank uses its choice."""
+        from lit_speed.precision.step_timing import choose_threads, thread_candidates
+
+        self.pending = False
+        decided = None
+        if trainer.global_rank == 0:
+            try:
+                local = int(os.environ.get("LOCAL_WORLD_SIZE", trainer.num_devices or 1))
+                counts = thread_candidates(os.cpu_count() or 1, local)
+                decision = choose_threads(trainer.lightning_module, batch, mode, counts, trainer.strategy.root_device)
+                decided = (int(decision.chosen), decision.reason)
+            except Exception as error:  # noqa: BLE001 - a step this timer cannot run: keep torch's count
+                decided = (torch.get_num_threads(), f"kept: could not time the step ({type(error).__name__})")
+        if trainer.world_size > 1:
+            decided = trainer.strategy.broadcast(decided, src=0)
+        self.chosen, self.reason = decided
+        torch.set_num_threads(self.chosen)
+        rank_zero_info(f"GuardedPrecision: threads=auto -> {self.chosen} ({self.reason})")
+
+    def describe(self) -> str:
+        if self.pending:
+            return "auto: times this model's step at 1..cores intra-op threads on the first training batch"
+        return f"{self.chosen if self.chosen is not None else torch.get_num_threads()} ({self.reason})"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"threads": self.chosen, "threads_reason": self.reason} if self.chosen is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resume keeps the checkpoint's count when this run asks for ``auto`` (not timed again)."""
+        if self.requested == "auto" and state.get("threads") is not None:
+            self.chosen, self.pending = int(state["threads"]), False
+            self.reason = f"restored from the checkpoint (not timed again): {state.get('threads_reason', '')}"
+            torch.set_num_threads(self.chosen)
