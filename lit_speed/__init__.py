@@ -20,6 +20,8 @@ _EXPORTS = {
     "CurriculumDataModule": "lit_speed.curriculum.curriculum_data_module",
     "CurriculumEarlyStopping": "lit_speed.curriculum.curriculum_early_stopping",
     "DeviceStatsLogger": "lit_speed.monitoring.device_stats_logger",
+    "ValidationBudget": "lit_speed.monitoring.validation_budget",
+    "MuonAdamW": "lit_speed.models.muon",
     "ActivationCheckpointing": "lit_speed.memory.activation_checkpointing",
     "CompileModel": "lit_speed.memory.compile_model",
     "plan": "lit_speed.memory.planner",

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import AdamW, Optimizer
 
-from lit_speed.models.batched_muon import BatchedMuon
+from lit_speed.models.batched_muon import NS_DTYPE_CHOICES, BatchedMuon
 from lit_speed.tuning.optimizer_kernels import ADAMW_KERNELS, adamw_flags, choose_adamw_kernel, on_rank_zero
 
 #: Parameter names (substrings) that always go to AdamW: embeddings and the output head.
@@ -64,6 +64,9 @@ class MuonAdamW(Optimizer):
                  ns_dtype: str = "bfloat16", adamw_kernel: str | None = None,
                  betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8, weight_decay: float = 0.0,
                  adamw_names: Sequence[str] = DEFAULT_ADAMW_NAMES) -> None:
+        if ns_dtype not in NS_DTYPE_CHOICES:
+            raise ValueError(f"MuonAdamW(ns_dtype={ns_dtype!r}): ns_dtype must be one of {NS_DTYPE_CHOICES}, "
+                             f"got {ns_dtype!r}")
         if adamw_kernel not in (None, *ADAMW_KERNELS, "auto"):
             raise ValueError(f"MuonAdamW(adamw_kernel={adamw_kernel!r}): adamw_kernel must be one of "
                              f"{(*ADAMW_KERNELS, 'auto')} or null (torch's choice), got {adamw_kernel!r}")

@@ -38,6 +38,13 @@ CASES = {
                            r"torch\.save archive.*Fix: ", False),
     "out_of_range_model": (["model.depth=0"], r"model\.depth=0: MLPClassifier\(depth=0\): depth and hidden "
                             r"must be >= 1, got depth=0", True),
+    "validation_budget_fraction": (["callbacks=validation_budget", "callbacks.validation_budget.max_fraction=1.5"],
+                                   r"callbacks\.validation_budget\.max_fraction=1\.5: ValidationBudget\(max_fraction="
+                                   r"1\.5\): max_fraction must be in \(0, 1\)", True),
+    "threads_zero": (["precision.threads=0"], r"precision\.threads=0: GuardedPrecision\(threads=0\): threads must be "
+                     r"an int >= 1, 'auto' or None", True),
+    "muon_ns_dtype": (["experiment=charlm_fast", "optimizer.ns_dtype=fp8", "data.max_bytes=200000"],
+                      r"optimizer\.ns_dtype='fp8': MuonAdamW\(ns_dtype='fp8'\): ns_dtype must be one of", True),
     "bad_policy": (["callbacks.fault_tolerance.on_nonfinite_weights=ignore"],
                    r"on_nonfinite_weights must be one of \('warn', 'raise'\), got 'ignore'\. Fix", True),
     "out_of_range_trainer": (["trainer.devices=0"], r"Trainer\(devices=0\)` value is not a valid input", True),
