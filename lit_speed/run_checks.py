@@ -18,7 +18,9 @@ from lit_speed.config_error import ConfigError
 
 # which model each DataModule feeds; a curriculum wraps another DataModule (conf/data/*_curriculum.yaml)
 DATA_MODEL = {"DigitsDataModule": ("mlp", "MLPClassifier", "data=digits model=mlp"),
-              "CharLMDataModule": ("gpt", "GPTModule", "experiment=charlm_cpu (data=charlm model=gpt)")}
+              "CharLMDataModule": ("gpt", "GPTModule", "experiment=charlm_cpu (data=charlm model=gpt)"),
+              "TextFolderDataModule": ("hf_causal_lm", "HFCausalLM",
+                                       "data=text_folder model=hf_causal_lm model.pretrained=<folder> data.root=<texts>")}
 
 
 # callbacks options renamed, old -> new: the old name still composes the same callback under its old key for one release
@@ -241,6 +243,9 @@ def check_checkpoint_matches(ckpt_path: Any, model: torch.nn.Module, optimizer_f
     checkpoint = torch.load(str(ckpt_path), map_location="cpu", weights_only=False, mmap=True)
     saved = checkpoint.get("state_dict", {})
     mine = model.state_dict()
+    if checkpoint.get("adapters_only"):  # PEFTAdapters: the trainable tensors only (it checks the frozen base)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        mine = {k: v for k, v in mine.items() if k in trainable}
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     reshaped = [k for k in set(mine) & set(saved) if tuple(mine[k].shape) != tuple(saved[k].shape)]
     if missing or unexpected or reshaped:

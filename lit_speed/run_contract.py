@@ -16,6 +16,9 @@ Who reports what (checked by ``tests/runner/test_run_contract.py``):
   baseline), stored at the top level of ``summary.json`` and shown in the end-of-run table.
 - :class:`MonitoredModel` (``monitor``, ``monitor_mode``): the metric a model logs, the default of the
   ``monitor=`` / ``monitor_mode=`` settings.
+- :class:`ModelPreparer` (``prepare_model(model)``): a callback that changes the model before training (InitWeights
+  loads weights, PEFTAdapters adds adapters and freezes the base); the runner calls it, in callback order, right
+  after building the model, so the start-up table shows the model that trains and a refusal is a ``Config error``.
 
 Example::
 
@@ -100,6 +103,18 @@ class MonitoredModel(Protocol):
 
     monitor: str
     monitor_mode: str  # "max" or "min"
+
+
+@runtime_checkable
+class ModelPreparer(Protocol):
+    """A callback that transforms the model before the optimizer exists (weights, adapters, frozen parameters).
+
+    ``prepare_model(model)`` must be idempotent: the runner calls it after building the model, and the callback's
+    own ``setup`` calls it again (which is how it works in a plain ``Trainer``).
+    """
+
+    def prepare_model(self, model: Any) -> None:
+        """Transform ``model`` in place (once)."""
 
 
 def startup_rows_of(part: object, *args: Any) -> dict[str, str]:
