@@ -86,7 +86,8 @@ def module_names_matching(model: nn.Module, specs: Iterable[str | type], owner: 
                              f"{', '.join(classes)}. Fix: {argument}=[<names or classes from these>], or "
                              f"[{ALL_LINEAR}]")
         chosen.update(dict.fromkeys(found))
-    return list(chosen)
+    order = {n: i for i, (n, _) in enumerate(named)}
+    return sorted(chosen, key=order.__getitem__)
 
 
 def peft_config(method: str, target_names: Sequence[str], r: int, alpha: float, dropout: float,

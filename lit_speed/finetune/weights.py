@@ -127,19 +127,13 @@ def _best_mapping(saved: Mapping[str, Any], wanted: set[str]) -> tuple[dict[str,
     return best
 
 
-def _tied_aliases(model: nn.Module) -> dict[str, str]:
-    """``{key: first key of the same tensor}`` for state_dict entries that share storage (tied weights)."""
-    first: dict[tuple[int, int], str] = {}
-    aliases = {}
+def _tied_groups(model: nn.Module) -> dict[str, frozenset[str]]:
+    """``{key: every key of the same tensor}`` for state_dict entries that share storage (tied weights)."""
+    groups: dict[tuple[int, int], set[str]] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
-            continue
-        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if ident in first:
-            aliases[key] = first[ident]
-        else:
-            first[ident] = key
-    return aliases
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            groups.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), set()).add(key)
+    return {key: frozenset(keys) for keys in groups.values() if len(keys) > 1 for key in keys}
 
 
 def load_weights(model: nn.Module, path: str | Path, strict: bool = True) -> LoadReport:
@@ -163,16 +157,16 @@ def load_weights(model: nn.Module, path: str | Path, strict: bool = True) -> Loa
     """
     saved, kind = read_state_dict(path)
     mine = model.state_dict()
-    aliases = _tied_aliases(model)
+    tied = _tied_groups(model)
     mapped, added, removed = _best_mapping(saved, set(mine))
     where = f"InitWeights(path={path})"
-    for key in sorted(set(mapped) & set(mine)):
+    for key in [k for k in mine if k in mapped]:  # the model's order: the first one named is the first layer
         if tuple(mapped[key].shape) != tuple(mine[key].shape):
             raise ValueError(f"{where}: {key} is {tuple(mapped[key].shape)} in the file, {tuple(mine[key].shape)} in "
                              f"{type(model).__name__}: the weights were written by a model of another size. Fix: the "
                              "model.* sizes of the run that wrote them")
-    missing = sorted(k for k in set(mine) - set(mapped) if aliases.get(k) not in mapped)
-    unexpected = sorted(set(mapped) - set(mine))
+    missing = [k for k in mine if k not in mapped and not tied.get(k, frozenset()) & set(mapped)]
+    unexpected = [k for k in mapped if k not in mine]
     if strict and (missing or unexpected):
         what = (f"{len(missing)} of {type(model).__name__}'s {len(mine)} tensors are not in the file, the first is "
                 f"{missing[0]}" if missing else
@@ -188,5 +182,5 @@ def load_weights(model: nn.Module, path: str | Path, strict: bool = True) -> Loa
     with torch.no_grad():
         for key, value in usable.items():
             mine[key].copy_(value.to(mine[key].dtype))
-    return LoadReport(str(path), kind, len(usable) + sum(1 for a, b in aliases.items() if b in usable and a not in usable),
+    return LoadReport(str(path), kind, len(usable) + sum(1 for k in tied if k not in usable and tied[k] & set(usable)),
                       len(mine), strict, tuple(missing), tuple(unexpected), added, removed)
