@@ -146,6 +146,9 @@ def check_interpolations(cfg: DictConfig) -> None:
             raw = OmegaConf.to_container(node, resolve=False)[key]  # type: ignore[index]
             if isinstance(raw, str) and "${hydra:" in raw:
                 continue
+            if raw == "???":  # a required value the option leaves to the command line (model.pretrained, init.path)
+                raise ConfigError(f"{where}=???: required, and not given. Fix: {where}=<a value> on the command line "
+                                  f"(see the comment of {path.split('.')[0] or where} in its conf/ file)")
             try:
                 value = node[key]
             except InterpolationKeyError as error:
