@@ -6,6 +6,7 @@ load_weights`; this callback only schedules it (before the optimizer exists) and
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -29,11 +30,20 @@ def pretrain_once(path: str | Path, overrides: Sequence[str], run_dir: str | Pat
     ``path`` atomically, so a later call (or another process) reuses it and never trains twice.
 
     Raises:
-        RuntimeError: The pretraining run failed (its exit code and the command to run it by hand).
+        ValueError: The pretraining run failed (its exit code and the command to run it by hand).
     """
     path = Path(path).expanduser()
     if path.exists():
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:  # one process trains, the others wait and reuse
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return path
+        return _pretrain(path, overrides, run_dir)
+
+
+def _pretrain(path: Path, overrides: Sequence[str], run_dir: str | Path | None) -> Path:
     root = Path(os.environ.get("LIT_SPEED_ROOT", Path(__file__).resolve().parents[2]))
     run_dir = Path(run_dir) if run_dir else path.with_suffix("").with_name(path.stem + "_run")
     command = [sys.executable, str(root / "scripts" / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
@@ -41,9 +51,9 @@ def pretrain_once(path: str | Path, overrides: Sequence[str], run_dir: str | Pat
     done = subprocess.run(command, cwd=root, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
     last = run_dir / "checkpoints" / "last.ckpt"
     if done.returncode != 0 or not last.is_file():
-        raise RuntimeError(f"InitWeights: pretraining for {path} failed (exit {done.returncode}, no {last}). Run it "
-                           f"by hand to see why: {' '.join(command)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
+        raise ValueError(f"InitWeights(pretrain={list(overrides)}): the pretraining run for {path} failed (exit "
+                         f"{done.returncode}, no {last}; its own message is above). Fix: init.pretrain=[<overrides "
+                         f"that train>], or init.path=<existing weights>. By hand: {' '.join(command)}")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     shutil.copyfile(last, tmp)
     os.replace(tmp, path)

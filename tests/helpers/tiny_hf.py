@@ -28,8 +28,9 @@ def tiny_tokenizer(vocab_size: int = 300):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
 
 
-def save_tiny_causal_lm(folder: str | Path, arch: str = "llama", seed: int = 0, vocab_size: int = 300) -> Path:
-    """Write a tiny causal LM (``llama`` or ``gpt2``) and its tokenizer to ``folder``; returns the folder."""
+def save_tiny_causal_lm(folder: str | Path, arch: str = "llama", seed: int = 0, vocab_size: int = 300,
+                        hidden: int = 64, layers: int = 2) -> Path:
+    """Write a tiny causal LM (``llama`` or ``gpt2``, ``layers`` x ``hidden``) and its tokenizer to ``folder``."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     folder = Path(folder)
@@ -37,12 +38,12 @@ def save_tiny_causal_lm(folder: str | Path, arch: str = "llama", seed: int = 0, 
     n_vocab = len(tokenizer)
     torch.manual_seed(seed)
     if arch == "llama":
-        config = LlamaConfig(vocab_size=n_vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        config = LlamaConfig(vocab_size=n_vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                              tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
         model = LlamaForCausalLM(config)
     elif arch == "gpt2":
-        config = GPT2Config(vocab_size=n_vocab, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+        config = GPT2Config(vocab_size=n_vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256,
                             eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
         model = GPT2LMHeadModel(config)
     else:
