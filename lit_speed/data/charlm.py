@@ -96,6 +96,29 @@ def list_source_files(root: str | os.PathLike | None = None, exclude: tuple[str,
     return [root / rel for rel in sorted(files)]
 
 
+def read_texts(files: list[Path], root: Path, max_bytes: int, digest: Any) -> list[tuple[str, str]]:
+    """``(relative path, text)`` of the readable, non-empty UTF-8 ``files`` in order, cut at ``max_bytes`` characters
+    in all; each name and text is fed to ``digest`` (a hashlib object: the cache key)."""
+    texts: list[tuple[str, str]] = []
+    total = 0
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text.strip():
+            continue
+        text = text[: max_bytes - total]
+        rel = path.relative_to(root).as_posix()
+        digest.update(rel.encode())
+        digest.update(text.encode("utf-8"))
+        texts.append((rel, text))
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return texts
+
+
 def build_corpus(
     cache_dir: str | os.PathLike,
     max_bytes: int = 4_000_000,
@@ -121,23 +144,7 @@ def build_corpus(
         raise ValueError(f"val_every must be >= 2 (every n-th file goes to validation), got {val_every}")
     root = source_root(root)
     digest = hashlib.sha256(f"v1|{max_bytes}|{val_every}".encode())
-    texts: list[tuple[str, str]] = []
-    total = 0
-    for path in list_source_files(root):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if not text.strip():
-            continue
-        text = text[: max_bytes - total]
-        rel = path.relative_to(root).as_posix()
-        digest.update(rel.encode())
-        digest.update(text.encode("utf-8"))
-        texts.append((rel, text))
-        total += len(text)
-        if total >= max_bytes:
-            break
+    texts = read_texts(list_source_files(root), root, max_bytes, digest)
     if not texts:
         raise FileNotFoundError(f"no readable .py files under {root}; pass root= a folder of Python sources")
     content_hash = digest.hexdigest()[:16]

@@ -18,9 +18,24 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from lit_speed.data.charlm import CharLMDataModule, Corpus, TokenWindows, unigram_cross_entropy
+from lit_speed.data.charlm import CharLMDataModule, Corpus, TokenWindows, read_texts, unigram_cross_entropy
 
 DEFAULT_PATTERNS = ("**/*.txt", "**/*.md", "**/*.rst", "**/*.py")
+
+
+def load_tokenizer(source: str) -> Any:
+    """``AutoTokenizer.from_pretrained(source)`` (a folder or a hub id), with a one-line error naming the setting."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError(f"TextFolderDataModule(tokenizer={source}): needs the transformers package. Fix: pip "
+                         "install -e \".[finetune]\" (or bash scripts/run.sh setup)") from None
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"TextFolderDataModule(tokenizer={source}): no tokenizer there "
+                         f"({' '.join(str(error).split())[:200]}). Fix: data.tokenizer=<a folder with tokenizer files, "
+                         "e.g. the model's save_pretrained folder> or a hub id (needs network access)") from None
 
 
 def list_text_files(root: str | os.PathLike, patterns: Sequence[str] = DEFAULT_PATTERNS) -> list[Path]:
@@ -55,21 +70,7 @@ def build_token_corpus(cache_dir: str | os.PathLike, tokenizer: Any, root: str |
                          "validation). Fix: data.val_every=10")
     root = Path(root).expanduser()
     digest = hashlib.sha256(f"v1|{max_bytes}|{val_every}|{tokenizer_fingerprint(tokenizer)}".encode())
-    texts, total = [], 0
-    for path in list_text_files(root, patterns):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if not text.strip():
-            continue
-        text = text[: max_bytes - total]
-        digest.update(path.relative_to(root).as_posix().encode())
-        digest.update(text.encode("utf-8"))
-        texts.append(text)
-        total += len(text)
-        if total >= max_bytes:
-            break
+    texts = [text for _, text in read_texts(list_text_files(root, patterns), root, max_bytes, digest)]
     if len(texts) < 2:
         raise FileNotFoundError(f"TextFolderDataModule(root={root}): {len(texts)} readable text file(s) matching "
                                 f"{list(patterns)}; at least 2 are needed (one goes to validation). Fix: data.root=<a "
@@ -137,9 +138,7 @@ class TextFolderDataModule(CharLMDataModule):
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             if isinstance(self.tokenizer_source, (str, os.PathLike)):
-                from lit_speed.models.hf_causal_lm import load_tokenizer
-
-                self._tokenizer = load_tokenizer(str(self.tokenizer_source), "TextFolderDataModule(tokenizer=...)")
+                self._tokenizer = load_tokenizer(str(self.tokenizer_source))
             else:
                 self._tokenizer = self.tokenizer_source
         return self._tokenizer

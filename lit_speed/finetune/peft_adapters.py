@@ -168,7 +168,9 @@ class PEFTAdapters(Callback):
     @rank_zero_only
     def _export(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         out = Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "merged"
-        self.exported = export_merged(pl_module, out, getattr(pl_module, "tokenizer", None))
+        # the tokenizer goes next to a Hugging Face model: the module's own, else the one the data was tokenized with
+        tokenizer = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
+        self.exported = export_merged(pl_module, out, tokenizer)
         rank_zero_info(f"PEFTAdapters: merged model written to {out} ({', '.join(sorted(self.exported))})")
 
     # ---- reports ------------------------------------------------------------------------------------------

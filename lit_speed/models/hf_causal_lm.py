@@ -14,9 +14,8 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 
-from lit_speed.models.optim import configure_optimizers
+from lit_speed.models.next_token import NextTokenSteps
 
 
 def _needs_transformers(owner: str) -> Any:
@@ -28,18 +27,7 @@ def _needs_transformers(owner: str) -> Any:
     return transformers
 
 
-def load_tokenizer(pretrained: str, owner: str = "HFCausalLM") -> Any:
-    """``AutoTokenizer.from_pretrained(pretrained)`` with a one-line error naming the setting."""
-    transformers = _needs_transformers(f"{owner}(pretrained={pretrained})")
-    try:
-        return transformers.AutoTokenizer.from_pretrained(pretrained)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{owner}(pretrained={pretrained}): no tokenizer there "
-                         f"({' '.join(str(error).split())[:200]}). Fix: a save_pretrained folder with tokenizer files, "
-                         "or a hub id (needs network access)") from None
-
-
-class HFCausalLM(pl.LightningModule):
+class HFCausalLM(NextTokenSteps, pl.LightningModule):
     """Next-token training of any ``AutoModelForCausalLM``.
 
     Args:
@@ -57,9 +45,6 @@ class HFCausalLM(pl.LightningModule):
 
         model = HFCausalLM("path/to/folder", optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
     """
-
-    monitor = "val/loss"
-    monitor_mode = "min"
 
     def __init__(self, pretrained: str, from_config: bool = False,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
@@ -81,31 +66,8 @@ class HFCausalLM(pl.LightningModule):
                 "not a local folder, and not fetched from the hub (offline, or no such id)"
             raise ValueError(f"{owner}: {where} ({' '.join(str(error).split())[:200]}). Fix: model.pretrained=<a "
                              "save_pretrained folder>, or a hub id with network access") from None
-        try:  # saved next to an exported model (the DataModule loads its own copy to tokenize)
-            self.tokenizer = load_tokenizer(pretrained)
-        except ValueError:
-            self.tokenizer = None
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx, use_cache=False).logits
-
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        # the loss in float32 under autocast, as for the bundled GPT
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-100)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val/loss", self._loss(batch), prog_bar=True)
-
-    def configure_optimizers(self) -> Any:
-        return configure_optimizers(self.model, self.optimizer_factory, self.scheduler_factory,
-                                    self.hparams.weight_decay, self.trainer.estimated_stepping_batches,
-                                    self.trainer.strategy)

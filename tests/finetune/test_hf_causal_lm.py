@@ -92,7 +92,7 @@ def test_lora_on_an_hf_model_trains_and_exports_a_folder_transformers_loads_alon
     add_adapters(adapted, "lora", ["q_proj", "v_proj"], r=4)
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     adapted.load_state_dict(ckpt["state_dict"], strict=False)  # the adapters onto the same pretrained base
-    x = torch.randint(0, len(adapted.tokenizer), (2, 24))
+    x = torch.randint(0, adapted.model.config.vocab_size, (2, 24))
     torch.testing.assert_close(merged(input_ids=x).logits, adapted(x), rtol=1e-4, atol=1e-4)
     assert (tmp_path / "merged" / "hf" / "tokenizer.json").is_file()
 
