@@ -248,6 +248,9 @@ def check_checkpoint_matches(ckpt_path: Any, model: torch.nn.Module, optimizer_f
     mine = model.state_dict()
     if checkpoint.get("adapters_only"):  # PEFTAdapters: the trainable tensors only (it checks the frozen base)
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        if trainable == {n for n, _ in model.named_parameters()}:
+            raise ConfigError(f"ckpt_path={ckpt_path}: holds adapters only (written with peft=...), and this run trains "
+                              "every parameter. Fix: the peft=/peft.* and init= options of the run that wrote it")
         mine = {k: v for k, v in mine.items() if k in trainable}
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     reshaped = [k for k in set(mine) & set(saved) if tuple(mine[k].shape) != tuple(saved[k].shape)]

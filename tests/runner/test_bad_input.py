@@ -212,3 +212,14 @@ def test_fine_tuning_options_are_refused_before_training_naming_the_setting(make
     with pytest.raises(ConfigError, match=message):
         train(make_cfg([*SHORT, *overrides]))
     assert not (tmp_path / "checkpoints").exists(), "a training step ran"
+
+
+def test_resuming_adapters_without_the_peft_option_names_the_fix(make_cfg, tmp_path):
+    train(make_cfg([*SHORT, "callbacks=model_checkpoint", "peft=lora"]))
+    adapters = tmp_path / "checkpoints" / "last.ckpt"
+    assert torch.load(adapters, weights_only=True)["adapters_only"] is True
+    with pytest.raises(ConfigError, match=rf"ckpt_path={adapters}: holds adapters only .*Fix: the peft=/peft\.\* and "
+                                          r"init= options of the run that wrote it"):
+        train(make_cfg([*SHORT, "trainer.max_epochs=2", f"ckpt_path={adapters}"]))
+    summary = train(make_cfg([*SHORT, "trainer.max_epochs=2", "peft=lora", f"ckpt_path={adapters}"]))
+    assert summary["global_step"] == 4  # resumed: 2 more steps
