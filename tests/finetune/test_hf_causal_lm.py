@@ -123,3 +123,13 @@ def test_hf_model_trains_through_train_py_with_bf16_mixed_accumulation_and_zero2
     assert summary["global_step"] == 8 and summary["startup"]["precision"] == "bf16-mixed"
     assert "ZeroStrategy" in summary["startup"]["strategy"] and "2 accumulation" in summary["startup"]["effective batch"]
     assert summary["final_val"]["val/loss"] < 20 and (tmp_path / "run" / "merged" / "hf" / "model.safetensors").is_file()
+
+
+def test_hf_lora_under_bf16_master_with_device_stats_and_fault_tolerance(make_cfg, tmp_path, hf_folder, texts):
+    args = [a for a in _run(hf_folder, texts) if not a.startswith("callbacks=")]
+    summary = train(make_cfg([*args, "callbacks=default", "precision=bf16-master", "peft=lora", "peft.r=4"]))
+    assert summary["global_step"] == 8 and summary["startup"]["precision"] == "bf16-master"
+    evidence = summary["components"]["DeviceStatsLogger"]["evidence"]
+    assert evidence["flops_per_sec"] > 0 and 0 < evidence["mfu"] < 1  # FLOPs counted on the HF model's first batch
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["adapters_only"] and all(v.dtype == torch.float32 for v in ckpt["state_dict"].values())  # masters
