@@ -44,8 +44,8 @@ def list_text_files(root: str | os.PathLike, patterns: Sequence[str] = DEFAULT_P
     if not root.is_dir():
         raise FileNotFoundError(f"TextFolderDataModule(root={root}): no such folder. Fix: data.root=<a folder of "
                                 "text files>")
-    found = {p for pattern in patterns for p in root.glob(pattern)
-             if p.is_file() and not p.is_symlink() and not any(part.startswith(".") for part in p.relative_to(root).parts)}
+    found = {p for pattern in patterns for p in root.glob(pattern) if p.is_file() and not p.is_symlink()
+             and not any(part.startswith(".") for part in p.relative_to(root).parts)}
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 

@@ -119,7 +119,8 @@ class PEFTAdapters(Callback):
         if _zero_stage(trainer.strategy) is not None:
             return  # DeepSpeed's ZeRO optimizer keeps only parameters that require gradients
         # before restore_training_state: a resumed optimizer loads into the same (pruned) groups
-        self.dropped_from_optimizer = sum(drop_frozen_from_optimizer(opt) for opt in trainer.optimizers if not opt.state)
+        fresh = [opt for opt in trainer.optimizers if not opt.state]
+        self.dropped_from_optimizer = sum(drop_frozen_from_optimizer(opt) for opt in fresh)
 
     # ---- checkpoints --------------------------------------------------------------------------------------
 
@@ -141,8 +142,9 @@ class PEFTAdapters(Callback):
             return
         missing = [n for n in self.trainable_names if n not in saved]
         if missing:
-            raise ValueError(f"PEFTAdapters: the checkpoint lacks {len(missing)} of this run's {len(self.trainable_names)} "
-                             f"trainable tensors (the first is {missing[0]}): it was written with other peft.* settings. "
+            raise ValueError(f"PEFTAdapters: the checkpoint lacks {len(missing)} of this run's "
+                             f"{len(self.trainable_names)} trainable tensors (the first is {missing[0]}): it was "
+                             "written with other peft.* settings. "
                              "Fix: the peft.method/target_modules/r of the run that wrote it, or ckpt_path=null")
 
     @override

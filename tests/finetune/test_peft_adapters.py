@@ -181,3 +181,13 @@ def test_resuming_onto_other_base_weights_is_refused(tmp_path):
     same = PEFTAdapters("lora", ["qkv"], r=2)
     same.prepare_model(_gpt(1))
     same.load_state_dict(peft.state_dict())
+
+
+def test_an_adapters_only_checkpoint_of_other_targets_is_refused_on_load():
+    peft = PEFTAdapters("lora", ["qkv", "fc"], r=2)
+    peft.prepare_model(_gpt(1))
+    written = {k: torch.zeros(1) for k in peft.trainable_names if ".fc." not in k}  # a run that adapted qkv only
+    with pytest.raises(ValueError, match=r"the checkpoint lacks 4 of this run's 8 trainable tensors \(the first is "
+                                         r"model\.blocks\.0\.mlp\.fc\.lora_A\.default\.weight\).*Fix: the peft\.method"):
+        peft.on_load_checkpoint(None, None, {"adapters_only": True, "state_dict": written})
+    peft.on_load_checkpoint(None, None, {"state_dict": written})  # a full checkpoint: Lightning's strict load decides
