@@ -167,6 +167,10 @@ def load_weights(model: nn.Module, path: str | Path, strict: bool = True) -> Loa
                              "model.* sizes of the run that wrote them")
     missing = [k for k in mine if k not in mapped and not tied.get(k, frozenset()) & set(mapped)]
     unexpected = [k for k in mapped if k not in mine]
+    if not set(mapped) & set(mine):
+        raise ValueError(f"{where}: none of the file's {len(saved)} tensors name a tensor of {type(model).__name__} "
+                         f"(file keys look like {next(iter(saved), '?')}, the model's like {next(iter(mine), '?')}). "
+                         "Fix: weights written by this model")
     if strict and (missing or unexpected):
         what = (f"{len(missing)} of {type(model).__name__}'s {len(mine)} tensors are not in the file, the first is "
                 f"{missing[0]}" if missing else
@@ -174,10 +178,6 @@ def load_weights(model: nn.Module, path: str | Path, strict: bool = True) -> Loa
         raise ValueError(f"{where}: {what} (file keys look like {next(iter(saved), '?')}). Fix: weights of this "
                          "model, or strict=false (init.strict=false) to load the tensors that match and keep the "
                          "rest as initialised")
-    if not set(mapped) & set(mine):
-        raise ValueError(f"{where}: none of the file's {len(saved)} tensors name a tensor of {type(model).__name__} "
-                         f"(file keys look like {next(iter(saved), '?')}, the model's like {next(iter(mine), '?')}). "
-                         "Fix: weights written by this model")
     usable = {k: v for k, v in mapped.items() if k in mine}
     with torch.no_grad():
         for key, value in usable.items():
