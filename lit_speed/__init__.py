@@ -34,6 +34,12 @@ _EXPORTS = {
     "MLPClassifier": "lit_speed.models.mlp",
     "GPTModule": "lit_speed.models.gpt",
     "Lion": "lit_speed.models.lion",
+    "InitWeights": "lit_speed.finetune.init_weights",
+    "PEFTAdapters": "lit_speed.finetune.peft_adapters",
+    "export_merged": "lit_speed.finetune.export",
+    "load_weights": "lit_speed.finetune.weights",
+    "HFCausalLM": "lit_speed.models.hf_causal_lm",
+    "TextFolderDataModule": "lit_speed.data.text_folder",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -131,7 +131,8 @@ def check_trainer_types(cfg: DictConfig, group: str = "trainer") -> None:
         return
     owner = "Trainer" if group == "trainer" else node._target_.rsplit(".", 1)[-1]
     for key in node:
-        if key == "_target_" or key not in hints or OmegaConf.is_interpolation(node, key):
+        if key == "_target_" or key not in hints or OmegaConf.is_interpolation(node, key) \
+                or OmegaConf.is_missing(node, key):  # ??? is check_interpolations' to name
             continue
         value = OmegaConf.to_object(node[key]) if isinstance(node[key], (DictConfig, ListConfig)) else node[key]
         if isinstance(value, dict) and "_target_" in value:

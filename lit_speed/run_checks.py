@@ -188,6 +188,9 @@ def check_interpolations(cfg: DictConfig) -> None:
             raw = OmegaConf.to_container(node, resolve=False)[key]  # type: ignore[index]
             if isinstance(raw, str) and "${hydra:" in raw:
                 continue
+            if raw == "???":  # a required value the option leaves to the command line (model.pretrained, init.path)
+                raise ConfigError(f"{where}=???: required, and not given. Fix: {where}=<a value> on the command line "
+                                  f"(see the comment of {path.split('.')[0] or where} in its conf/ file)")
             try:
                 value = node[key]
             except InterpolationKeyError as error:
@@ -288,6 +291,12 @@ def check_checkpoint_matches(ckpt_path: Any, model: torch.nn.Module, optimizer_f
     checkpoint = torch.load(str(ckpt_path), map_location="cpu", weights_only=False, mmap=True)
     saved = checkpoint.get("state_dict", {})
     mine = model.state_dict()
+    if checkpoint.get("adapters_only"):  # PEFTAdapters: the trainable tensors only (it checks the frozen base)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        if trainable == {n for n, _ in model.named_parameters()}:
+            raise ConfigError(f"ckpt_path={ckpt_path}: holds adapters only (written with peft=...), and this run trains "
+                              "every parameter. Fix: the peft=/peft.* and init= options of the run that wrote it")
+        mine = {k: v for k, v in mine.items() if k in trainable}
     missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     reshaped = [k for k in set(mine) & set(saved) if tuple(mine[k].shape) != tuple(saved[k].shape)]
     if missing or unexpected or reshaped:

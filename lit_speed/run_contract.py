@@ -23,6 +23,9 @@ Who reports what (checked by ``tests/runner/test_run_contract.py``):
   yields and what a model's ``training_step`` takes, class attributes read before anything is built
   (``lit_speed.run_checks.check_data_model`` refuses a pair that does not fit; a class that declares nothing is
   not checked).
+- :class:`ModelPreparer` (``prepare_model(model)``): a callback that changes the model before training (InitWeights
+  loads weights, PEFTAdapters adds adapters and freezes the base); the runner calls it, in callback order, right
+  after building the model, so the start-up table shows the model that trains and a refusal is a ``Config error``.
 
 Example::
 
@@ -146,6 +149,18 @@ class BatchConsumer(Protocol):
     """A LightningModule that names the batch kinds its ``training_step`` takes (see :class:`BatchSource`)."""
 
     accepted_batch_kinds: tuple[str, ...]
+
+
+@runtime_checkable
+class ModelPreparer(Protocol):
+    """A callback that transforms the model before the optimizer exists (weights, adapters, frozen parameters).
+
+    ``prepare_model(model)`` must be idempotent: the runner calls it after building the model, and the callback's
+    own ``setup`` calls it again (which is how it works in a plain ``Trainer``).
+    """
+
+    def prepare_model(self, model: Any) -> None:
+        """Transform ``model`` in place (once)."""
 
 
 def startup_rows_of(part: object, *args: Any) -> dict[str, str]:

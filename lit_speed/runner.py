@@ -27,8 +27,8 @@ from lit_speed.config_check import ConfigError
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.config_error import RunStopped
-from lit_speed.run_contract import (AccumulationReport, EndOfRunReport, MonitoredModel, SummaryExtra,
-                                    SummaryReport, WorkloadReport, startup_rows_of)
+from lit_speed.run_contract import (AccumulationReport, EndOfRunReport, ModelPreparer, MonitoredModel,
+                                    SummaryExtra, SummaryReport, WorkloadReport, startup_rows_of)
 from lit_speed.run_checks import check_activation_memory, check_checkpoint_matches, check_config
 from lit_speed.run_monitor import configured_monitor
 from lit_speed.run_plan_check import RunPlanCheck
@@ -88,7 +88,12 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     elif strategy_cfg is not None:
         trainer_kwargs["strategy"] = strategy_cfg.name  # a Lightning strategy registry name
 
-    callbacks = _instantiate_group(cfg.get("callbacks")) + _instantiate_group(cfg.get("accumulation"))
+    # init (weights) before peft (adapters on the loaded base), both before every other callback
+    callbacks = [*_instantiate_group(cfg.get("init")), *_instantiate_group(cfg.get("peft")),
+                 *_instantiate_group(cfg.get("callbacks")), *_instantiate_group(cfg.get("accumulation"))]
+    for part in callbacks:  # before the table and the optimizer: the table shows the model that trains
+        if isinstance(part, ModelPreparer):
+            part.prepare_model(model)
     safety_net = None
     if not any(isinstance(cb, FaultTolerance) for cb in callbacks):
         # a scheduler's SIGTERM must never lose the whole run: saving on a signal costs nothing until one comes
@@ -128,7 +133,9 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
     micro = getattr(dm, "batch_size", None)
     accum = _accumulation_factor(trainer, parts["callbacks"])
     world = trainer.world_size
-    n_params = sum(p.numel() for p in model.parameters())
+    params = {id(p): p for p in model.parameters()}.values()  # tied weights once
+    n_params = sum(p.numel() for p in params)
+    n_trainable = sum(p.numel() for p in params if p.requires_grad)
     precision = trainer.precision_plugin
     rows = {
         "precision": getattr(precision, "precision", str(trainer.precision)),
@@ -136,7 +143,8 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
                     f"({trainer.num_devices} device(s) x {trainer.num_nodes} node(s))",
         "effective batch": f"{micro} micro x {accum} accumulation x {world} process(es) = {micro * accum * world}"
         if micro else f"accumulation {accum}, world size {world}",
-        "model": f"{type(model).__name__}: {n_params:,} parameters",
+        "model": f"{type(model).__name__}: {n_params:,} parameters" + (
+            f" ({n_trainable:,} trainable, {n_params - n_trainable:,} frozen)" if n_trainable != n_params else ""),
         "optimizer": optimizer_row(parts["optimizer"]),
         "threads": f"{torch.get_num_threads()} intra-op (torch)",
         "monitor": f"{cfg.monitor} ({cfg.monitor_mode})" if cfg.monitor is not None else

@@ -67,6 +67,9 @@ def main(argv: list[str]) -> int:
     datamodule = hydra.utils.instantiate(cfg.data)
     factory = hydra.utils.instantiate(cfg.optimizer)
     model = hydra.utils.instantiate(cfg.model, optimizer=factory)
+    peft = cfg.get("peft")
+    if peft is not None and "_target_" in peft:  # adapters on a frozen base: fewer gradients and optimizer state
+        hydra.utils.instantiate(peft, export_dir=None).prepare_model(model)  # no run folder here
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     checkpoint = args.checkpoint

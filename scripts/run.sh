@@ -13,8 +13,11 @@ have_all() {  # every runtime (and test) dependency importable and lit_speed ins
   "$PY" - "$@" <<'PYCHECK' >/dev/null 2>&1
 import importlib.util, importlib.metadata as md, sys
 mods = ["torch", "lightning", "deepspeed", "torchmetrics", "hydra", "psutil", "rich", "sklearn", "matplotlib", "ninja"]
-if "test" in ",".join(sys.argv[1:]).split(","):
+extras = ",".join(sys.argv[1:]).split(",")
+if "test" in extras:
     mods += ["pytest", "pytest_timeout", "tensorboard", "hydra_plugins.hydra_optuna_sweeper"]
+if "finetune" in extras:
+    mods += ["transformers", "peft", "safetensors", "tokenizers"]
 for m in mods:  # find, do not import: importing torch + deepspeed costs seconds
     if importlib.util.find_spec(m) is None:
         raise SystemExit(f"missing {m}")
@@ -40,8 +43,8 @@ setup() {
 
 cmd="${1:-train}"; shift || true
 case "$cmd" in
-  setup) setup "test,sweep" ;;
-  train) setup "sweep"; exec "$PY" scripts/train.py "$@" ;;
-  test)  setup "test,sweep"; exec "$PY" -m pytest "$@" ;;
+  setup) setup "test,sweep,finetune" ;;
+  train) setup "sweep,finetune"; exec "$PY" scripts/train.py "$@" ;;
+  test)  setup "test,sweep,finetune"; exec "$PY" -m pytest "$@" ;;
   *) echo "usage: bash scripts/run.sh {train|test|setup} [args...]" >&2; exit 2 ;;
 esac

@@ -67,6 +67,21 @@ class Corpus:
         return self.meta["content_hash"]
 
 
+def source_root(root: str | os.PathLike | None = None) -> Path:
+    """``root`` as a folder: ``None`` = this interpreter's standard library; a name that is no folder but an
+    installed package (``lightning``) = that package's source folder."""
+    if root is None:
+        return Path(sysconfig.get_paths()["stdlib"])
+    path = Path(root).expanduser()
+    if not path.exists() and str(root).isidentifier():
+        import importlib.util
+
+        spec = importlib.util.find_spec(str(root))
+        if spec is not None and spec.submodule_search_locations:
+            return Path(next(iter(spec.submodule_search_locations)))
+    return path
+
+
 def list_source_files(root: str | os.PathLike | None = None, exclude: tuple[str, ...] = DEFAULT_EXCLUDE) -> list[Path]:
     """The stdlib ``.py`` files in a deterministic order (sorted relative POSIX paths)."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
@@ -79,6 +94,29 @@ def list_source_files(root: str | os.PathLike | None = None, exclude: tuple[str,
         dirnames[:] = [d for d in dirnames if not (rel_dir + d).endswith(excluded) and d not in excluded]
         files += [rel_dir + f for f in filenames if f.endswith(".py") and not os.path.islink(os.path.join(dirpath, f))]
     return [root / rel for rel in sorted(files)]
+
+
+def read_texts(files: list[Path], root: Path, max_bytes: int, digest: Any) -> list[tuple[str, str]]:
+    """``(relative path, text)`` of the readable, non-empty UTF-8 ``files`` in order, cut at ``max_bytes`` characters
+    in all; each name and text is fed to ``digest`` (a hashlib object: the cache key)."""
+    texts: list[tuple[str, str]] = []
+    total = 0
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text.strip():
+            continue
+        text = text[: max_bytes - total]
+        rel = path.relative_to(root).as_posix()
+        digest.update(rel.encode())
+        digest.update(text.encode("utf-8"))
+        texts.append((rel, text))
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return texts
 
 
 def build_corpus(
@@ -98,31 +136,15 @@ def build_corpus(
         cache_dir: Folder for ``charlm-<hash>.{train,val}.bin`` and ``.json``.
         max_bytes: Cap on the total characters taken (train + val).
         val_every: Every n-th file goes to validation (10 -> a 90/10 split).
-        root: Source folder; defaults to this interpreter's standard library.
+        root: Source folder, or the name of an installed package (its source); default: the standard library.
     """
     if max_bytes < 10_000:
         raise ValueError(f"max_bytes must be >= 10000, got {max_bytes}")
     if val_every < 2:
         raise ValueError(f"val_every must be >= 2 (every n-th file goes to validation), got {val_every}")
-    root = Path(root or sysconfig.get_paths()["stdlib"])
+    root = source_root(root)
     digest = hashlib.sha256(f"v1|{max_bytes}|{val_every}".encode())
-    texts: list[tuple[str, str]] = []
-    total = 0
-    for path in list_source_files(root):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if not text.strip():
-            continue
-        text = text[: max_bytes - total]
-        rel = path.relative_to(root).as_posix()
-        digest.update(rel.encode())
-        digest.update(text.encode("utf-8"))
-        texts.append((rel, text))
-        total += len(text)
-        if total >= max_bytes:
-            break
+    texts = read_texts(list_source_files(root), root, max_bytes, digest)
     if not texts:
         raise FileNotFoundError(f"no readable .py files under {root}; pass root= a folder of Python sources")
     content_hash = digest.hexdigest()[:16]
@@ -153,14 +175,14 @@ def build_corpus(
     return Corpus(corpus.train_path, corpus.val_path, meta)
 
 
-def unigram_cross_entropy(train: np.ndarray, val: np.ndarray) -> float:
-    """Cross-entropy (nats/char) of ``val`` under the add-one-smoothed character frequencies of ``train``.
+def unigram_cross_entropy(train: np.ndarray, val: np.ndarray, vocab_size: int = VOCAB_SIZE) -> float:
+    """Cross-entropy (nats/token) of ``val`` under the add-one-smoothed token frequencies of ``train``.
 
-    The baseline a language model must beat: it knows which characters are common, nothing about order.
+    The baseline a language model must beat: it knows which tokens are common, nothing about order.
     """
-    counts = np.bincount(np.asarray(train), minlength=VOCAB_SIZE).astype(np.float64) + 1.0
+    counts = np.bincount(np.asarray(train), minlength=vocab_size).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
-    val_counts = np.bincount(np.asarray(val), minlength=VOCAB_SIZE)
+    val_counts = np.bincount(np.asarray(val), minlength=len(counts))
     return float(-(val_counts * logp).sum() / val_counts.sum())
 
 
@@ -205,7 +227,7 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         train_stride: Offset between consecutive training windows (default ``block_size``).
         max_val_windows: Cap on validation windows, so a validation pass stays short.
         num_workers: DataLoader workers, or ``auto`` (one per spare core, at most 8).
-        root: Source folder (default: this interpreter's standard library).
+        root: Source folder, or an installed package's name (default: this interpreter's standard library).
         pin_memory: Pin host memory; ``auto`` = only when training on CUDA.
         persistent_workers: Keep workers between epochs; ``None`` = whenever ``num_workers > 0``.
         prefetch_factor: Batches each worker loads ahead (needs ``num_workers > 0``).
@@ -256,7 +278,10 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         if self.corpus is not None:
             return
         self.corpus = build_corpus(self.hparams.cache_dir, self.hparams.max_bytes, self.hparams.val_every, self.hparams.root)
-        train_tokens, val_tokens = self.corpus.train_tokens(), self.corpus.val_tokens()
+        self._set_windows(self.corpus.train_tokens(), self.corpus.val_tokens())
+
+    def _set_windows(self, train_tokens: np.ndarray, val_tokens: np.ndarray) -> None:
+        """Training windows of ``train_tokens``, and up to ``max_val_windows`` evenly spaced validation windows."""
         if self.hparams.preload:
             train_tokens, val_tokens = torch.from_numpy(np.array(train_tokens)), torch.from_numpy(np.array(val_tokens))
         self.train_dataset = TokenWindows(train_tokens, self.block_size, self.hparams.train_stride)

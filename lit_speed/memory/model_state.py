@@ -34,11 +34,13 @@ class StateBytes:
 
 
 def state_bytes(n_params: int, precision: str = "32-true", optimizer_states: int = 2, strategy: str = "auto",
-                world_size: int = 1) -> StateBytes:
+                world_size: int = 1, frozen_params: int = 0) -> StateBytes:
     """Per-process model-state bytes.
 
     Args:
         n_params: Trainable parameter count.
+        frozen_params: Parameters that do not train (a frozen base under adapters): they take parameter memory
+            (sharded at stage 3) but no gradient and no optimizer state.
         precision: Lightning precision literal.
         optimizer_states: State tensors per parameter (Adam 2, SGD-momentum 1, Lion 1).
         strategy: Option of ``conf/strategy`` (``auto``, ``ddp``, ``zero1`` ... ``zero3_offload``).
@@ -58,15 +60,17 @@ def state_bytes(n_params: int, precision: str = "32-true", optimizer_states: int
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     stage, offload_optimizer, offload_params = STRATEGIES[strategy]
-    p = n_params
+    if frozen_params < 0:
+        raise ValueError(f"frozen_params must be >= 0, got {frozen_params}")
+    p, all_params = n_params, n_params + frozen_params
     if stage == 0:  # torch optimizers keep their state in the parameters' dtype
         width = PARAM_BYTES[precision]
-        return StateBytes(params=width * p, grads=width * p, optimizer=width * optimizer_states * p, host=0)
+        return StateBytes(params=width * all_params, grads=width * p, optimizer=width * optimizer_states * p, host=0)
     # DeepSpeed: mixed precision keeps 16-bit working params/grads plus an fp32 master copy in the optimizer
     mixed = precision != "32-true"
     width = 2 if mixed else 4
     optimizer = (4 * p if mixed else 0) + 4 * optimizer_states * p
-    params = width * p // (world_size if stage >= 3 else 1)
+    params = width * all_params // (world_size if stage >= 3 else 1)
     grads = width * p // (world_size if stage >= 2 else 1)
     optimizer //= world_size
     host = 0

@@ -252,6 +252,7 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
         raise ValueError(f"probe_batches must be two increasing sizes >= 1, got {probe_batches}")
 
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # a frozen base under adapters
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, foreach=True))
     step_temp = optimizer_step_bytes(model, factory)
     ckpt_choices = (False, True) if checkpoint_modules else (False,)
@@ -261,7 +262,7 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
     for (precision, ckpt), pr in probes.items():
         for mb in micro_batches:
             for strategy in strategies:
-                st = state_bytes(n_params, precision, OPTIMIZER_STATES[optimizer], strategy, world_size)
+                st = state_bytes(n_params, precision, OPTIMIZER_STATES[optimizer], strategy, world_size, n_frozen)
                 stage, offload_opt, _ = STRATEGIES[strategy]
                 # the probe's activations include full gradients; ZeRO-2/3 keep only their partition
                 act = pr.activation_bytes(mb) - PARAM_BYTES[precision] * n_params + st.grads
@@ -279,7 +280,8 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
     fastest = max(r.samples_per_sec for r in rows)
     rows = [PlanRow(**{**r.__dict__, "relative_speed": r.samples_per_sec / fastest}) for r in rows]
     rows.sort(key=lambda r: (not r.fits, -r.relative_speed, -r.micro_batch))
-    notes = [f"{n_params:,} parameters; probes at micro-batch {probe_batches[0]} and {probe_batches[1]} on "
+    counted = f"{n_params:,} trainable + {n_frozen:,} frozen parameters" if n_frozen else f"{n_params:,} parameters"
+    notes = [f"{counted}; probes at micro-batch {probe_batches[0]} and {probe_batches[1]} on "
              f"{next(model.parameters()).device.type}",
              "peak = most tensor bytes alive in one training step (like torch.cuda.max_memory_allocated)",
              "speed is measured for precision x checkpointing x micro-batch; ZeRO/multi-process factors are assumed"]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_speed.models.optim import configure_optimizers
+from lit_speed.models.next_token import NextTokenSteps
 
 
 class CausalSelfAttention(nn.Module):
@@ -94,7 +94,7 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class GPTModule(pl.LightningModule):
+class GPTModule(NextTokenSteps, pl.LightningModule):
     """Character-level GPT as a LightningModule.
 
     Args:
@@ -110,8 +110,6 @@ class GPTModule(pl.LightningModule):
         weight_decay: Weight decay on matrices and embeddings only.
     """
 
-    monitor = "val/loss"
-    monitor_mode = "min"
     accepted_batch_kinds = ("tokens->next-token",)  # lit_speed.run_contract.BatchConsumer
 
     def __init__(self, vocab_size: int = 97, block_size: int = 64, n_layer: int = 4, n_head: int = 4,
@@ -132,22 +130,3 @@ class GPTModule(pl.LightningModule):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
-
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        # the loss in float32 under autocast: log-softmax over the vocabulary is where low precision hurts
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-100)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val/loss", self._loss(batch), prog_bar=True)
-
-    def configure_optimizers(self) -> Any:
-        return configure_optimizers(self.model, self.optimizer_factory, self.scheduler_factory,
-                                    self.hparams.weight_decay, self.trainer.estimated_stepping_batches,
-                                    self.trainer.strategy)

@@ -23,7 +23,9 @@ def param_groups(module: nn.Module, weight_decay: float, names: bool = False) ->
         if names:
             group["param_names"] = [n for n, _ in chosen]
         groups.append(group)
-    return groups
+    # no empty group: with frozen parameters (adapters) one may be empty, and DeepSpeed drops empty groups, which
+    # leaves an LR schedule with one entry per group out of step with the optimizer
+    return [g for g in groups if g["params"]]
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,

@@ -117,6 +117,22 @@ CASES = {
     "bf16_master_on_two_processes": (["precision=bf16-master", "strategy=ddp", "trainer=ddp_cpu", "trainer.devices=2"],
                                      r"precision=bf16-master with DDPStrategy on 2 processes.*Fix: "
                                      r"precision=bf16-mixed", True),
+    # issue 26: fine-tuning options
+    "init_without_a_path": (["init=weights"], r"init\.path=\?\?\?: required, and not given\. Fix: init\.path=", False),
+    "init_from_a_missing_file": (["init=weights", "init.path=/nonexistent/w.pt"],
+                                 r"init\.path=/nonexistent/w\.pt: InitWeights\(path=/nonexistent/w\.pt\): no such file "
+                                 r"or folder\. Fix", True),
+    "init_from_other_weights": (["init=weights", f"init.path={STRAY}"],
+                                r"InitWeights\(path=.*final\.pt\): none of the file's 1 tensors name a tensor of "
+                                r"MLPClassifier.*Fix", True),
+    "peft_target_matches_nothing": (["peft=lora", "peft.target_modules=[qvk]"],
+                                    r"peft\.target_modules=\['qvk'\]: PEFTAdapters\(target_modules=\['qvk'\]\): 'qvk' "
+                                    r"matches no module name or class of MLPClassifier\. Module names: net, .*Fix: ",
+                                    False),
+    "peft_rank_zero": (["peft=lora", "peft.r=0"], r"peft\.r=0: PEFTAdapters\(r=0\): the adapter rank must be an int "
+                       r">= 1\. Fix: r=8", True),
+    "hf_model_without_a_folder": (["model=hf_causal_lm", "data=text_folder", "data.root=/tmp"],
+                                  r"model\.pretrained=\?\?\?: required, and not given\. Fix: model\.pretrained=", True),
 }
 
 

@@ -1,6 +1,6 @@
 """The resume matrix, generated from the config groups: every option a user can select resumes bitwise.
 
-For every shipped ``experiment=`` preset and every ``optimizer=``, ``precision=`` and ``accumulation=`` option
+For every shipped ``experiment=`` preset and every ``optimizer=``, ``precision=``, ``accumulation=`` and ``peft=`` option
 (read from ``conf/<group>/*.yaml`` when the tests are collected, so an option added tomorrow joins the matrix
 without editing this file), a short deterministic CPU run is
 
@@ -27,7 +27,8 @@ from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
 from tests.helpers.fault_scripts.runs import ROOT, explain, kill_at, train
 
 CONF = ROOT / "conf"
-DEFAULTS = {"optimizer": "adamw", "precision": "32-true", "accumulation": "none"}
+DEFAULTS = {"optimizer": "adamw", "precision": "32-true", "accumulation": "none", "peft": "none"}
+GROUPS = tuple(DEFAULTS)  # init=weights needs a file: its resume is the presets' (experiment=charlm_finetune)
 
 # digits + MLP: 3 epochs of 8 batches, a checkpoint every 2 optimizer steps (mid-epoch), deterministic
 DIGITS = ["trainer.max_epochs=3", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
@@ -69,7 +70,7 @@ def _preset_accumulates(preset: str) -> bool:
 def _cases() -> list:
     cases = []
     seen = set()
-    for group in ("optimizer", "precision", "accumulation"):
+    for group in GROUPS:
         for option in options(group):
             if option == DEFAULTS[group] and "default" in seen:
                 continue
@@ -132,7 +133,7 @@ def test_killed_run_resumes_bitwise_like_the_uninterrupted_run(tmp_path: Path, a
 
 def test_the_matrix_covers_every_option_of_the_groups() -> None:
     ids = {p.id for p in CASES}
-    for group in ("optimizer", "precision", "accumulation"):
+    for group in GROUPS:
         for option in options(group):
             name = "default" if option == DEFAULTS[group] else f"{group}={option}"
             assert f"{name}-sigkill" in ids

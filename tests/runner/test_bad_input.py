@@ -23,7 +23,10 @@ from tests.helpers.repo import CONF
 
 DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
-MATCHING = {"digits": "mlp", "digits_curriculum": "mlp", "charlm": "gpt", "charlm_curriculum": "gpt"}
+MATCHING = {"digits": "mlp", "digits_curriculum": "mlp", "charlm": "gpt", "charlm_curriculum": "gpt",
+            "text_folder": "hf_causal_lm"}
+# what a pair needs besides the two options (a required value each): a tiny HF folder is made by the test that builds
+PAIR_VALUES = {"text_folder": ["model.pretrained=/path/to/hf_folder", "data.root=/path/to/texts"]}
 SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "logger=none",
          "validate=false", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
@@ -41,24 +44,30 @@ def test_bundled_datamodules_and_models_declare_what_they_yield_and_take():
     assert DigitsDataModule.batch_kind not in GPTModule.accepted_batch_kinds
 
 
-KIND = {"mlp": ("MLPClassifier", "features->class"), "gpt": ("GPTModule", "tokens->next-token")}
+KIND = {"mlp": ("MLPClassifier", "features->class"), "gpt": ("GPTModule", "tokens->next-token"),
+        "hf_causal_lm": ("HFCausalLM", "tokenizer-ids->next-token")}
 
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("data", DATA)
-def test_data_model_pair_builds_or_is_refused_naming_both_fixes(make_cfg, data, model):
+def test_data_model_pair_builds_or_is_refused_naming_both_fixes(make_cfg, tmp_path, data, model):
     overrides = [f"data={data}", f"model={model}"]
     if MATCHING[data] == model:
+        if data in PAIR_VALUES:
+            from tests.helpers.tiny_hf import STDLIB, save_tiny_causal_lm
+
+            folder = save_tiny_causal_lm(tmp_path / "hf")
+            overrides += [f"model.pretrained={folder}", f"data.root={STDLIB / 'json'}"]
         preflight(overrides)
         parts = build(make_cfg(overrides))
         assert type(parts["model"]).__name__ == KIND[model][0]
         return
     cls, takes = KIND[model]
     fits, yields = MATCHING[data], KIND[MATCHING[data]][1]
-    other = "digits" if model == "mlp" else "charlm"
+    other = {"mlp": "digits", "gpt": "charlm", "hf_causal_lm": "text_folder"}[model]
     with pytest.raises(ConfigError, match=rf"data \(\w+\) does not fit model \({cls}\): it yields '{yields}' batches, "
-                                          rf"{cls} takes '{takes}'\. Fix: model={fits}, or data={other}, "
-                                          r"or experiment=charlm_cpu \(data=charlm model=gpt\)$"):
+                                          rf"{cls} takes '{takes}'\. Fix: model={fits}, or data={other}"
+                                          r"(, or experiment=\w+ \(data=\w+ model=\w+\))*$"):
         preflight(overrides)
 
 
@@ -109,12 +118,16 @@ PREFLIGHT_CASES = {
     "data.batch_size=abc": r"data\.batch_size='abc': DigitsDataModule expects int, got str\. Fix: data\.batch_size=",
     "model.hidden=abc": r"model\.hidden='abc': MLPClassifier expects int, got str\. Fix: model\.hidden=",
     "seed=abc": r"seed='abc': expected an integer or null\. Fix: seed=42",
+    "init=weights": r"init\.path=\?\?\?: required, and not given\. Fix: init\.path=<a value>",
+    "model=hf_causal_lm": r"does not fit model \(HFCausalLM\): it yields 'features->class' batches, HFCausalLM takes "
+                          r"'tokenizer-ids->next-token'\. Fix: model=mlp, or data=text_folder$",
 }
 
 
 GROUPS = ["optimizer", "precision", "strategy", "accumulation", "callbacks", "logger", "trainer", "experiment", "debug",
-          "hparams_search"]
-VALID = [[f"data={d}", f"model={m}"] for d, m in MATCHING.items()] + [
+          "hparams_search", "peft"]
+VALID = [[f"data={d}", f"model={m}", *PAIR_VALUES.get(d, [])] for d, m in MATCHING.items()] + [
+    ["init=none"], ["init=weights", "init.path=/path/to/weights.pt"]] + [
     [f"{g}={p.stem}"] for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 
 
@@ -249,3 +262,32 @@ def test_switching_a_presets_component_runs_or_stops_in_one_line(make_cfg, comma
         preflight(overrides)  # refusals of the config
         train(make_cfg([*overrides, *TWO_STEPS]))  # refusals of a component as it is built, before training
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["peft=lora", "peft.target_modules=[qvk]"], r"peft\.target_modules=\['qvk'\]: PEFTAdapters\(target_modules="
+                                                  r"\['qvk'\]\): 'qvk' matches no module name or class of "
+                                                  r"MLPClassifier\. Module names: net, train_acc, val_acc\. Classes: "
+                                                  r".*Linear.*Fix: "),
+    (["peft=lora", "peft.r=0"], r"peft\.r=0: PEFTAdapters\(r=0\): the adapter rank must be an int >= 1"),
+    (["peft=lora", "peft.method=prefix"], r"peft\.method='prefix': PEFTAdapters\(method='prefix'\): unknown method"),
+    (["peft=head_only", "peft.trainable_modules=[]"], r"PEFTAdapters\(method=freeze\): nothing would train\. Fix: "
+                                                      r"trainable_modules=\[last-linear\]"),
+    (["init=weights", "init.path=/nonexistent/w.pt"], r"init\.path=/nonexistent/w\.pt: InitWeights\(path=/nonexistent"
+                                                      r"/w\.pt\): no such file or folder\. Fix: "),
+])
+def test_fine_tuning_options_are_refused_before_training_naming_the_setting(make_cfg, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        train(make_cfg([*SHORT, *overrides]))
+    assert not (tmp_path / "checkpoints").exists(), "a training step ran"
+
+
+def test_resuming_adapters_without_the_peft_option_names_the_fix(make_cfg, tmp_path):
+    train(make_cfg([*SHORT, "callbacks=model_checkpoint", "peft=lora"]))
+    adapters = tmp_path / "checkpoints" / "last.ckpt"
+    assert torch.load(adapters, weights_only=True)["adapters_only"] is True
+    with pytest.raises(ConfigError, match=rf"ckpt_path={adapters}: holds adapters only .*Fix: the peft=/peft\.\* and "
+                                          r"init= options of the run that wrote it"):
+        train(make_cfg([*SHORT, "trainer.max_epochs=2", f"ckpt_path={adapters}"]))
+    summary = train(make_cfg([*SHORT, "trainer.max_epochs=2", "peft=lora", f"ckpt_path={adapters}"]))
+    assert summary["global_step"] == 4  # resumed: 2 more steps

@@ -13,7 +13,7 @@ from tests.helpers.repo import CONF
 
 # groups whose options are whole components; hydra/ and paths/ are Hydra plumbing, tested through every compose
 GROUPS = ["data", "model", "optimizer", "precision", "strategy", "accumulation", "callbacks", "logger", "trainer",
-          "experiment", "debug", "hparams_search"]
+          "experiment", "debug", "hparams_search", "init", "peft"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 
 
@@ -23,14 +23,30 @@ def _skip_reason(group: str, option: str) -> str | None:
     return None
 
 
+def _required_values(group: str, option: str, make_cfg, tmp_path) -> list[str]:
+    """What an option leaves to the command line (``???``), made here: a tiny HF folder, a weights file."""
+    if (group, option) in (("data", "text_folder"), ("model", "hf_causal_lm")):
+        from tests.helpers.tiny_hf import STDLIB, save_tiny_causal_lm
+
+        folder = save_tiny_causal_lm(tmp_path / "hf")
+        return ["data=text_folder", "model=hf_causal_lm", f"model.pretrained={folder}", f"data.root={STDLIB / 'json'}"]
+    if (group, option) in (("init", "weights"), ("experiment", "charlm_finetune")):
+        base = ["experiment=charlm_cpu"] if option == "charlm_finetune" else []
+        weights = tmp_path / "weights.pt"  # instead of the preset's pretraining run (scripts/train.py, ~1 min)
+        torch.save(build(make_cfg(base))["model"].state_dict(), weights)
+        return [f"init.path={weights}"]
+    return []
+
+
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_option_composes_and_instantiates(make_cfg, group, option):
+def test_option_composes_and_instantiates(make_cfg, tmp_path, group, option):
     reason = _skip_reason(group, option)
     if reason:
         pytest.skip(reason)
     overrides = [f"{group}={option}"]
     if group == "model" and option == "gpt":
         overrides.append("data=charlm")  # gpt takes block_size from the data
+    overrides += _required_values(group, option, make_cfg, tmp_path)
     cfg = make_cfg(overrides)
     parts = build(cfg)
     trainer = parts["trainer"]

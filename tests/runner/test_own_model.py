@@ -74,7 +74,7 @@ def test_preflight_composes_the_users_groups_through_each_door(importable, door)
 
 def test_without_the_door_the_users_option_is_unknown(importable):
     with pytest.raises(ConfigError, match=r"^model=residual_mlp: unknown option 'residual_mlp' for group 'model'\. "
-                                          r"Valid choices: gpt, mlp\.$"):
+                                          r"Valid choices: gpt, hf_causal_lm, mlp\.$"):
         preflight(PAIR)
 
 
@@ -106,7 +106,7 @@ def test_a_typo_in_the_users_group_names_the_near_option_and_lists_the_users_opt
     assert "\n" not in message
     assert message.startswith(f"{typo}: unknown option '{value}' for group '{group}'. Valid choices: ")
     assert f"(yours: {near.split('=')[1]} from {CONF})" in message and message.endswith(f"Did you mean {near}?")
-    assert ("gpt, mlp" if group == "model" else "digits") in message  # lit_speed's own options beside the user's
+    assert ("gpt, hf_causal_lm, mlp" if group == "model" else "digits") in message  # lit_speed's own options beside the user's
 
 
 def test_a_misspelt_group_name_is_named(importable):

@@ -17,24 +17,27 @@ from lit_speed.data.digits import DigitsDataModule
 from lit_speed.memory.activation_checkpointing import ActivationCheckpointing
 from lit_speed.memory.compile_model import CompileModel
 from lit_speed.models.gpt import GPTModule
+from lit_speed.data.text_folder import TextFolderDataModule
+from lit_speed.finetune import InitWeights, PEFTAdapters
 from lit_speed.models.mlp import MLPClassifier
 from lit_speed.monitoring.device_stats_logger import DeviceStatsLogger
 from lit_speed.precision.guarded_precision import GuardedPrecision
 from lit_speed.precision.zero_guard import GuardedDeepSpeedPrecision
 from lit_speed.reporting.fixed_validation import FixedValidationClock
 from lit_speed.reporting.time_to_target import TimeToTarget
-from lit_speed.run_contract import (AccumulationReport, MonitoredModel, StartupReport, SummaryExtra, SummaryReport,
-                                    WorkloadReport, startup_rows_of)
+from lit_speed.run_contract import (AccumulationReport, ModelPreparer, MonitoredModel, StartupReport, SummaryExtra,
+                                    SummaryReport, WorkloadReport, startup_rows_of)
 from lit_speed.run_plan_check import largest_accumulation_factor
 from lit_speed.runner import _accumulation_factor, build, component_summaries, workload_extras
 from lit_speed.strategies.zero_strategy import ZeroStrategy
 
 STARTUP_REPORTERS = [DigitsDataModule, CharLMDataModule, CurriculumDataModule, GuardedPrecision, ZeroStrategy,
                      AccumulationScheduler, CurriculumEarlyStopping, DeviceStatsLogger, FaultTolerance,
-                     AtomicCheckpointIO, CompileModel, ActivationCheckpointing, TimeToTarget]
+                     AtomicCheckpointIO, CompileModel, ActivationCheckpointing, TimeToTarget, TextFolderDataModule,
+                     InitWeights, PEFTAdapters]
 SUMMARY_REPORTERS = [GuardedPrecision, GuardedDeepSpeedPrecision, ZeroStrategy, AccumulationScheduler,
                      CurriculumEarlyStopping, DeviceStatsLogger, FaultTolerance, CompileModel, ActivationCheckpointing,
-                     TimeToTarget, FixedValidationClock]
+                     TimeToTarget, FixedValidationClock, InitWeights, PEFTAdapters]
 
 
 @pytest.mark.parametrize("cls", STARTUP_REPORTERS, ids=lambda c: c.__name__)
@@ -52,6 +55,14 @@ def test_workloads_and_accumulation_report_through_the_contract():
     scheduler = AccumulationScheduler(factors={0: 2, 10: 4})
     assert isinstance(scheduler, AccumulationReport) and scheduler.current_factor == 2
     assert isinstance(MLPClassifier(), MonitoredModel) and isinstance(GPTModule(), MonitoredModel)
+    assert issubclass(TextFolderDataModule, WorkloadReport)
+
+
+def test_model_preparers_transform_the_model_before_the_start_up_table(make_cfg):
+    assert issubclass(InitWeights, ModelPreparer) and issubclass(PEFTAdapters, ModelPreparer)
+    parts = build(make_cfg(["peft=lora"]))
+    trainable = sum(p.numel() for p in parts["model"].parameters() if p.requires_grad)
+    assert 0 < trainable < sum(p.numel() for p in parts["model"].parameters())  # adapters in, base frozen, pre-fit
 
 
 class _Reports:

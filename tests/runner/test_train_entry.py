@@ -10,6 +10,10 @@ from lit_speed.runner import train
 from tests.helpers.repo import CONF, run_train_script
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+# a preset that pretrains its start when it is missing does so here in 4 steps, into this test's folder
+SHRUNK_PRETRAINING = {"charlm_finetune": lambda tmp: [
+    f"init.path={tmp}/pretrained.ckpt", "init.pretrain=['experiment=charlm_fast','trainer.max_steps=4',"
+    "'trainer.val_check_interval=2','callbacks=[model_checkpoint]','logger=none','validate=false']"]}
 
 
 def test_default_digits_run_reaches_95_percent(make_cfg, tmp_path):
@@ -34,9 +38,13 @@ def test_charlm_beats_unigram_baseline_in_200_steps(make_cfg):
 def test_train_script_fast_dev_run(tmp_path, experiment):
     args = ["trainer.fast_dev_run=true", f"hydra.run.dir={tmp_path}"]
     if experiment:
-        args.insert(0, f"experiment={experiment}")
+        args[:0] = [f"experiment={experiment}", *SHRUNK_PRETRAINING.get(experiment, lambda _: [])(tmp_path / "start")]
     result = run_train_script(args)
     assert result.returncode == 0, result.stderr[-3000:]
+    if experiment in SHRUNK_PRETRAINING:  # pretrained (4 steps), then loaded strictly before the fine-tuning step
+        assert (tmp_path / "start" / "pretrained.ckpt").is_file()
+        assert "pretrained.ckpt (lightning checkpoint): 28/28 tensors, strict" in result.stdout + result.stderr
+        assert "trainable parameters" in result.stdout and "65,536 of 873,728" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_step"] == 1
     assert "lit_speed run" in result.stdout and "effective batch" in result.stdout
@@ -99,3 +107,23 @@ def test_preflight_refuses_wrong_trainer_types(override, message):
                                       "trainer.val_check_interval=0.5", "trainer.deterministic=warn"])
 def test_preflight_accepts_valid_trainer_values(override):
     preflight([override])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_charlm_finetune_preset_runs_end_to_end_from_nothing(tmp_path):
+    """The README's one command on a machine with no cached weights or corpus: pretraining (charlm_fast, shortened
+    from 450 to 100 steps) then LoRA fine-tuning on Lightning's source (shortened to 40 steps), adapters-only
+    checkpoints, merged export."""
+    pretrain = ["experiment=charlm_fast", "trainer.max_steps=100", "callbacks=[model_checkpoint]", "logger=none",
+                "validate=false", "data.root=null"]
+    result = run_train_script(["experiment=charlm_finetune", "trainer.max_steps=40", "trainer.val_check_interval=20",
+                               "init.pretrain=[" + ",".join(f"'{o}'" for o in pretrain) + "]",
+                               f"hydra.run.dir={tmp_path / 'run'}"], env={"LIT_SPEED_CACHE": str(tmp_path / "cache")},
+                              timeout=1700)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "cache" / "charlm_finetune" / "pretrained.ckpt").is_file()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["startup"]["trainable parameters"].startswith("65,536 of 873,728")
+    assert summary["global_step"] == 40 and summary["final_val"]["val/loss"] < summary["unigram_baseline"]
+    assert (tmp_path / "run" / "merged" / "model.pt").is_file()

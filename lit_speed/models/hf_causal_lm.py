@@ -1,0 +1,75 @@
+"""A Hugging Face causal language model (``AutoModelForCausalLM``) as a LightningModule.
+
+``python scripts/train.py model=hf_causal_lm data=text_folder model.pretrained=<folder or hub id> data.root=<texts>``
+
+The model trains on the same ``(input, target)`` token windows as the bundled GPT, so every lit_speed component
+applies unchanged: precision modes, accumulation (token-normalised too), ZeRO, activation checkpointing by block
+class (``LlamaDecoderLayer``, ``GPT2Block``), device stats, fault tolerance, adapters (``peft=lora``).
+Needs the ``finetune`` extra (``pip install -e ".[finetune]"``: transformers, peft, safetensors).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+
+from lit_speed.models.next_token import NextTokenSteps
+
+
+def _needs_transformers(owner: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"{owner}: needs the transformers package. Fix: pip install -e \".[finetune]\" "
+                         "(or bash scripts/run.sh setup)") from None
+    return transformers
+
+
+class HFCausalLM(NextTokenSteps, pl.LightningModule):
+    """Next-token training of any ``AutoModelForCausalLM``.
+
+    Args:
+        pretrained: A ``save_pretrained`` folder or a hub id (downloaded by ``transformers``: needs network).
+        from_config: Build the architecture of ``pretrained`` with fresh random weights instead of its weights.
+        optimizer: Factory ``params -> Optimizer`` (a Hydra ``_partial_``).
+        scheduler: Optional factory ``(optimizer, total_steps) -> LRScheduler``.
+        weight_decay: On matrices and embeddings only (0 is usual for fine-tuning).
+        attn_implementation: ``sdpa`` (default), ``eager``, or what ``transformers`` offers for the model.
+
+    Raises:
+        ValueError: ``pretrained`` is neither a model folder nor a hub id that can be fetched.
+
+    Example::
+
+        model = HFCausalLM("path/to/folder", optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
+    """
+
+    accepted_batch_kinds = ("tokenizer-ids->next-token",)  # lit_speed.run_contract.BatchConsumer
+
+    def __init__(self, pretrained: str, from_config: bool = False,
+                 optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+                 scheduler: Callable[..., Any] | None = None, weight_decay: float = 0.0,
+                 attn_implementation: str | None = "sdpa") -> None:
+        super().__init__()
+        owner = f"HFCausalLM(pretrained={pretrained})"
+        transformers = _needs_transformers(owner)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        try:
+            if from_config:
+                config = transformers.AutoConfig.from_pretrained(pretrained)
+                self.model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+            else:  # float32 weights: the precision plugin decides the compute dtype
+                self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32, **kwargs)
+        except (OSError, ValueError) as error:
+            where = "a folder without a model" if Path(pretrained).expanduser().is_dir() else \
+                "not a local folder, and not fetched from the hub (offline, or no such id)"
+            raise ValueError(f"{owner}: {where} ({' '.join(str(error).split())[:200]}). Fix: model.pretrained=<a "
+                             "save_pretrained folder>, or a hub id with network access") from None
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, use_cache=False).logits

@@ -1,0 +1,135 @@
+"""A Hugging Face causal LM through the Hydra entry: its own tokenizer feeds a text folder (tokenized once),
+LoRA on it, a merged save_pretrained folder that transformers loads alone with the same outputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_speed.data.text_folder import TextFolderDataModule, build_token_corpus
+from lit_speed.models.hf_causal_lm import HFCausalLM
+from lit_speed.runner import train
+from tests.helpers.fault_scripts.runs import explain
+from tests.helpers.fault_scripts.runs import train as run_script
+from tests.helpers.tiny_hf import STDLIB, save_tiny_causal_lm, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("hf") / "tiny_llama", "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("texts")
+    for name in ["csv.py", "shlex.py", "token.py", "calendar.py", "bisect.py", "heapq.py"]:
+        (folder / f"{name}.txt").write_text((STDLIB / name).read_text())
+    return folder
+
+
+def _run(hf_folder, texts, *extra):
+    return ["model=hf_causal_lm", "data=text_folder", f"model.pretrained={hf_folder}", f"data.root={texts}",
+            "data.block_size=32", "data.batch_size=4", "data.val_every=3", "trainer.max_steps=8",
+            "trainer.val_check_interval=4", "trainer.check_val_every_n_epoch=null", "trainer.limit_val_batches=1",
+            "trainer.num_sanity_val_steps=0", "callbacks=[model_checkpoint]", "logger=none", "validate=false",
+            "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", *extra]
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and counts the texts it tokenized."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+        self.eos_token_id, self.backend_tokenizer = inner.eos_token_id, inner.backend_tokenizer
+
+    def __call__(self, text, **kwargs):
+        self.calls += 1
+        return self.inner(text, **kwargs)
+
+    def __len__(self):
+        return len(self.inner)
+
+
+def test_text_folder_is_tokenized_once_then_read_from_the_cache(tmp_path, texts):
+    tokenizer = CountingTokenizer(tiny_tokenizer())
+    first = build_token_corpus(tmp_path, tokenizer, texts, val_every=3)
+    assert tokenizer.calls == 6 and first.meta["train_files"] == 4 and first.meta["val_files"] == 2
+    again = build_token_corpus(tmp_path, tokenizer, texts, val_every=3)
+    assert tokenizer.calls == 6 and again.train_path == first.train_path  # the cache: not tokenized again
+    ids = torch.from_numpy(first.train_tokens().view("uint16").astype("int64")) if first.meta["dtype"] == "uint16" \
+        else None
+    text = (texts / "bisect.py.txt").read_text()
+    expected = tokenizer.inner(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert ids[: len(expected)].tolist() == expected  # sorted order: bisect.py is the first file, then <eos>
+    (texts / "bisect.py.txt").write_text(text + "\n# changed\n")
+    try:
+        assert build_token_corpus(tmp_path, tokenizer, texts, val_every=3).train_path != first.train_path
+    finally:
+        (texts / "bisect.py.txt").write_text(text)
+
+
+def test_text_folder_serves_token_windows_of_the_model_vocabulary(tmp_path, texts, hf_folder):
+    dm = TextFolderDataModule(str(texts), str(hf_folder), str(tmp_path), block_size=32, batch_size=4, val_every=3)
+    dm.setup("fit")
+    x, y = dm.train_dataset[0]
+    assert x.shape == y.shape == (32,) and x.dtype == torch.int64 and torch.equal(x[1:], y[:-1])
+    assert int(x.max()) < len(dm.tokenizer)
+    with pytest.raises(FileNotFoundError, match=r"TextFolderDataModule\(root=.*\): no such folder\. Fix: data\.root="):
+        TextFolderDataModule(str(tmp_path / "none"), str(hf_folder), str(tmp_path)).setup("fit")
+
+
+def test_lora_on_an_hf_model_trains_and_exports_a_folder_transformers_loads_alone(make_cfg, tmp_path, hf_folder, texts):
+    from transformers import AutoModelForCausalLM
+
+    summary = train(make_cfg(_run(hf_folder, texts, "peft=lora", "peft.r=4", "peft.target_modules=[q_proj,v_proj]")))
+    peft = summary["components"]["PEFTAdapters"]
+    assert peft["target_modules"] == 4  # q_proj and v_proj in 2 layers
+    assert peft["trainable_params"] == 2 * 4 * ((64 + 64) + (64 + 32))  # q: 64 -> 64, v: 64 -> 32 (2 KV heads)
+    assert summary["global_step"] == 8 and "HFCausalLM" in summary["startup"]["model"]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged" / "hf")  # no lit_speed, no peft
+    adapted = HFCausalLM(str(hf_folder))
+    from lit_speed.finetune.adapters import add_adapters
+
+    add_adapters(adapted, "lora", ["q_proj", "v_proj"], r=4)
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    adapted.load_state_dict(ckpt["state_dict"], strict=False)  # the adapters onto the same pretrained base
+    x = torch.randint(0, adapted.model.config.vocab_size, (2, 24))
+    torch.testing.assert_close(merged(input_ids=x).logits, adapted(x), rtol=1e-4, atol=1e-4)
+    assert (tmp_path / "merged" / "hf" / "tokenizer.json").is_file()
+
+
+def test_full_fine_tuning_of_an_hf_model_with_activation_checkpointing_by_block_class(make_cfg, hf_folder, texts):
+    summary = train(make_cfg(_run(hf_folder, texts, "callbacks=[activation_checkpointing]",
+                                  "callbacks.activation_checkpointing.modules=[LlamaDecoderLayer]",
+                                  "accumulation=fixed", "accumulation.factors=[[0,2]]")))
+    assert summary["global_step"] == 8 and summary["components"]["ActivationCheckpointing"]["wrapped_modules"] == 2
+
+
+def test_a_model_folder_that_does_not_exist_is_one_line(make_cfg, tmp_path, texts):
+    from lit_speed.config_check import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model\.pretrained=.*HFCausalLM\(pretrained=.*nowhere\): not a local folder"):
+        train(make_cfg(_run(tmp_path / "nowhere", texts)))
+
+
+@pytest.mark.slow
+def test_hf_model_trains_through_train_py_with_bf16_mixed_accumulation_and_zero2(tmp_path, hf_folder, texts):
+    args = _run(hf_folder, texts, "precision=bf16-mixed", "accumulation=fixed", "accumulation.factors=[[0,2]]",
+                "strategy=zero2", "peft=lora", "peft.r=4", "validate=true")
+    done = run_script(args, tmp_path / "run")
+    assert done.returncode == 0, explain(done)
+    import json
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["global_step"] == 8 and summary["startup"]["precision"] == "bf16-mixed"
+    assert "ZeroStrategy" in summary["startup"]["strategy"] and "2 accumulation" in summary["startup"]["effective batch"]
+    assert summary["final_val"]["val/loss"] < 20 and (tmp_path / "run" / "merged" / "hf" / "model.safetensors").is_file()
+
+
+def test_hf_lora_under_bf16_master_with_device_stats_and_fault_tolerance(make_cfg, tmp_path, hf_folder, texts):
+    args = [a for a in _run(hf_folder, texts) if not a.startswith("callbacks=")]
+    summary = train(make_cfg([*args, "callbacks=default", "precision=bf16-master", "peft=lora", "peft.r=4"]))
+    assert summary["global_step"] == 8 and summary["startup"]["precision"] == "bf16-master"
+    evidence = summary["components"]["DeviceStatsLogger"]["evidence"]
+    assert evidence["flops_per_sec"] > 0 and 0 < evidence["mfu"] < 1  # FLOPs counted on the HF model's first batch
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["adapters_only"] and all(v.dtype == torch.float32 for v in ckpt["state_dict"].values())  # masters
