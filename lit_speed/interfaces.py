@@ -23,6 +23,10 @@ through the public names of ``lit_speed/__init__.py`` or one of these shared mod
 * ``lit_speed.oom`` - recognising out-of-memory errors on any device.
 * ``lit_speed.data.pipeline`` - the loader building blocks every DataModule uses (curriculum's included).
 * ``lit_speed.tuning`` - choices timed on this machine and cached per machine (optimizer kernels, Muon's dtype, ...).
+* ``lit_speed.precision.modes`` - the precision-mode table (``spec(mode)``: weight and compute dtypes, master copy,
+  loss scaling, what DeepSpeed runs it as): every component asks it instead of spelling a mode.
+* ``lit_speed.memory.model_state`` - the one calculator of model-state bytes (parameters, gradients, optimizer
+  state) per mode, optimizer, ZeRO stage and world size.
 """
 from __future__ import annotations
 

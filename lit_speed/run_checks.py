@@ -208,8 +208,11 @@ def check_interpolations(cfg: DictConfig) -> None:
 def check_precision_strategy(cfg: DictConfig) -> None:
     """Refuse, before any process starts, a precision mode the configured strategy cannot run (bf16-master on
     several processes); ``GuardedPrecision`` would refuse it too, but only in every started process."""
+    from lit_speed.precision.modes import TABLE
+
     precision, strategy, trainer = cfg.get("precision"), cfg.get("strategy"), cfg.get("trainer")
-    if not isinstance(precision, DictConfig) or precision.get("mode") != "bf16-master":
+    mode = precision.get("mode") if isinstance(precision, DictConfig) else None
+    if mode not in TABLE or not TABLE[mode].one_process:
         return
     target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else ""
     if target.endswith("ZeroStrategy"):
@@ -220,7 +223,7 @@ def check_precision_strategy(cfg: DictConfig) -> None:
     multi = any(name in target for name in ("DDP", "FSDP", "ModelParallel")) or (world is not None and world > 1)
     if multi:
         name = target.rsplit(".", 1)[-1] or "the default strategy"
-        raise ConfigError(f"precision=bf16-master with {name} on {world or 'several'} processes: bf16-master runs on "
+        raise ConfigError(f"precision={mode} with {name} on {world or 'several'} processes: {mode} runs on "
                           "one process for now (its gradient hook moves each bf16 gradient into the float32 master "
                           "before DDP could all-reduce it). Fix: precision=bf16-mixed for multi-process runs, or "
                           "strategy=zero2 (DeepSpeed keeps float32 masters itself), or trainer.devices=1")

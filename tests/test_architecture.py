@@ -33,6 +33,8 @@ SHARED_MODULES = (
     "lit_speed.oom",          # out-of-memory errors in all their disguises
     "lit_speed.data.pipeline",  # loader building blocks every DataModule uses
     "lit_speed.tuning",       # choices timed on this machine (optimizer kernels, Muon dtype, ...), cached per machine
+    "lit_speed.precision.modes",  # the precision-mode table: one ModeSpec per mode, asked instead of literals
+    "lit_speed.memory.model_state",  # the one model-state memory calculator (planner and ZeroStrategy)
 )
 
 #: Underscore names that are public API of their owner, not private access. Names of the form ``_name_``
@@ -352,3 +354,43 @@ def test_the_graph_checks_report_a_cycle_and_a_cross_component_import(synthetic_
     assert cycles(graph) == [["pkg.alpha", "pkg.alpha.core", "pkg.beta.core"]]
     violations = layering_violations(import_graph(synthetic_package, "pkg", with_packages=False), "pkg")
     assert violations == ["pkg.alpha.core imports pkg.beta.core", "pkg.beta.core imports pkg.alpha.core"]
+
+
+# ---------------------------------------------------------------------------------------------- 3. one home per fact
+#: Files of ``lit_speed/`` that may spell a precision mode as a string constant besides the mode table (issue 25: at
+#: most 3): the GPU table's grid of measured cells, which also holds ``tf32``, a setting and not a mode.
+MODE_LITERAL_FILES = {"lit_speed/reporting/gpu_table.py"}
+MODE_TABLE = "lit_speed/precision/modes.py"
+
+
+def mode_literals(source: str, names: set[str]) -> list[int]:
+    """Lines of ``source`` with a string constant that is exactly one of ``names`` (docstrings are prose: not counted)."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return sorted({node.lineno for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                   and isinstance(node.value, str) and node.value in names and id(node) not in docstrings})
+
+
+def test_precision_modes_are_spelt_only_in_the_mode_table() -> None:
+    from lit_speed.precision.modes import TABLE
+
+    found = {}
+    for path in _modules().values():
+        rel = str(path.relative_to(ROOT.parent))
+        lines = mode_literals(path.read_text(), set(TABLE))
+        if lines and rel != MODE_TABLE:
+            found[rel] = lines
+    assert len(MODE_LITERAL_FILES) <= 3
+    assert set(found) <= MODE_LITERAL_FILES, ("ask lit_speed.precision.modes (spec(mode).<fact>, BASELINE, ...) instead "
+                                              f"of spelling a mode: {dict(sorted(found.items()))}")
+
+
+def test_the_literal_scanner_skips_docstrings_and_finds_code() -> None:
+    source = '''"""bf16-mixed in prose."""
+def f(mode="32-true"):
+    """32-true too."""
+    return mode == "bf16-mixed" or "bf16-mixed-ish"
+'''
+    assert mode_literals(source, {"32-true", "bf16-mixed"}) == [2, 4]

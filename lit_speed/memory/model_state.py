@@ -1,81 +1,117 @@
-"""Bytes of model state (parameters, gradients, optimizer state) per precision, ZeRO stage, offload and world size.
+"""Bytes of model state (parameters, gradients, optimizer state) per process: the one calculator.
 
-Plain arithmetic after the ZeRO paper (Rajbhandari et al., 2020, section 3): with ``P`` parameters,
-``N`` processes and stage ``s``, stage >= 1 partitions optimizer state (and the fp32 master copy) over
-``N``, stage >= 2 also gradients, stage 3 also parameters. Offload moves optimizer state (and, for
-``*_offload`` stage 3, parameters) to host memory.
+Plain arithmetic after the ZeRO paper (Rajbhandari et al., 2020, section 3), from three facts:
+the precision mode's weight dtype and master copy (:func:`lit_speed.precision.modes.spec`), the optimizer's state
+tensors per parameter (:func:`lit_speed.optim.state_cost.state_tensors_per_param`), and who holds the optimizer:
+
+* **torch** (no ZeRO): parameters and gradients in the mode's weight dtype; the optimizer keeps its state in the
+  weights' dtype, or in float32 next to float32 masters (``bf16-master``);
+* **DeepSpeed** (ZeRO, and the stage-0 DeepSpeed engine): a 16-bit mode keeps 16-bit working weights and gradients
+  and a float32 master copy plus float32 state in the optimizer; ``32-true`` keeps everything in float32.
+
+With ``N`` processes, stage >= 1 partitions optimizer state (and the master copy) over ``N``, stage >= 2 also
+gradients, stage 3 also parameters. Offload moves optimizer state (and, at stage 3, parameters) to host memory.
+The planner (:mod:`lit_speed.memory.planner`) and ``ZeroStrategy``'s start-up row both call :func:`model_state_bytes`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-# bytes per parameter element for each Lightning precision literal
-PARAM_BYTES = {"32-true": 4, "bf16-mixed": 4, "16-mixed": 4, "bf16-true": 2, "16-true": 2}
-# state tensors per parameter kept by each optimizer option in conf/optimizer
-OPTIMIZER_STATES = {"adamw": 2, "adamw_fused": 2, "adamw_base": 2, "cpu_adam": 2, "sgd": 1, "lion": 1}
-# strategy option (conf/strategy) -> (ZeRO stage, optimizer offloaded, parameters offloaded)
-STRATEGIES = {"auto": (0, False, False), "ddp": (0, False, False), "zero1": (1, False, False),
-              "zero2": (2, False, False), "zero2_offload": (2, True, False), "zero3": (3, False, False),
-              "zero3_offload": (3, True, True)}
+from lit_speed.precision.modes import BASELINE, spec
+
+
+class ZeroLayout(NamedTuple):
+    """Where the model state of one process lives: ZeRO stage, what is offloaded, and who holds the optimizer."""
+
+    stage: int = 0
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
+    deepspeed: bool = False
+
+
+#: The options of ``conf/strategy`` and the layout each one trains in.
+STRATEGIES = {"auto": ZeroLayout(), "ddp": ZeroLayout(), "zero1": ZeroLayout(1, deepspeed=True),
+              "zero2": ZeroLayout(2, deepspeed=True), "zero2_offload": ZeroLayout(2, True, deepspeed=True),
+              "zero3": ZeroLayout(3, deepspeed=True), "zero3_offload": ZeroLayout(3, True, True, deepspeed=True)}
+FLOAT32_BYTES = 4
+DEEPSPEED_LOW_BYTES = 2  # DeepSpeed's bf16/fp16 working copies
 
 
 @dataclass(frozen=True)
-class StateBytes:
-    """Model-state bytes per process, split by where they live."""
+class ModelStateBytes:
+    """Model-state bytes one process holds; ``host`` is the part of ``params`` + ``optimizer`` offloaded to RAM."""
 
     params: int
     grads: int
     optimizer: int
-    host: int  # offloaded optimizer state / parameters (host RAM, per process)
+    host: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
 
     @property
     def device(self) -> int:
-        return self.params + self.grads + self.optimizer
+        """What stays on the training device."""
+        return self.total - self.host
 
 
-def state_bytes(n_params: int, precision: str = "32-true", optimizer_states: int = 2, strategy: str = "auto",
-                world_size: int = 1, frozen_params: int = 0) -> StateBytes:
+def model_state_bytes(n_params: int, precision: str = BASELINE, optimizer_states: float = 2,
+                      layout: ZeroLayout = ZeroLayout(), world_size: int = 1, frozen_params: int = 0
+                      ) -> ModelStateBytes:
     """Per-process model-state bytes.
 
     Args:
         n_params: Trainable parameter count.
+        precision: A precision mode of :data:`lit_speed.precision.modes.TABLE`.
+        optimizer_states: State tensors per trainable parameter (Adam 2, SGD-momentum and Lion 1; Muon's mix of
+            Muon and AdamW groups gives a fraction): ask the optimizer (:mod:`lit_speed.optim.state_cost`).
+        layout: ZeRO stage, offload and whether DeepSpeed holds the optimizer (:data:`STRATEGIES` by option).
+        world_size: Processes the model is trained on.
         frozen_params: Parameters that do not train (a frozen base under adapters): they take parameter memory
             (sharded at stage 3) but no gradient and no optimizer state.
-        precision: Lightning precision literal.
-        optimizer_states: State tensors per parameter (Adam 2, SGD-momentum 1, Lion 1).
-        strategy: Option of ``conf/strategy`` (``auto``, ``ddp``, ``zero1`` ... ``zero3_offload``).
-        world_size: Processes the model is trained on.
 
     Raises:
-        ValueError: An unknown precision or strategy, or ``world_size < 1``.
+        ValueError: An unknown precision, a stage outside 0-3, ``world_size < 1`` or a negative count.
 
     Example::
 
-        state_bytes(1_000_000, "bf16-mixed", 2, "zero2", world_size=4).device
+        model_state_bytes(1_000_000, "bf16-mixed", 2, STRATEGIES["zero2"], world_size=4).device
     """
-    if precision not in PARAM_BYTES:
-        raise ValueError(f"precision must be one of {sorted(PARAM_BYTES)}, got {precision!r}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
+    mode = spec(precision)
+    stage, offload_optimizer, offload_parameters, deepspeed = layout
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be one of (0, 1, 2, 3), got {stage!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    stage, offload_optimizer, offload_params = STRATEGIES[strategy]
-    if frozen_params < 0:
-        raise ValueError(f"frozen_params must be >= 0, got {frozen_params}")
-    p, all_params = n_params, n_params + frozen_params
-    if stage == 0:  # torch optimizers keep their state in the parameters' dtype
-        width = PARAM_BYTES[precision]
-        return StateBytes(params=width * all_params, grads=width * p, optimizer=width * optimizer_states * p, host=0)
-    # DeepSpeed: mixed precision keeps 16-bit working params/grads plus an fp32 master copy in the optimizer
-    mixed = precision != "32-true"
-    width = 2 if mixed else 4
-    optimizer = (4 * p if mixed else 0) + 4 * optimizer_states * p
-    params = width * all_params // (world_size if stage >= 3 else 1)
+    if min(n_params, frozen_params, optimizer_states) < 0:
+        raise ValueError(f"n_params, frozen_params and optimizer_states must be >= 0, got {n_params}, "
+                         f"{frozen_params} and {optimizer_states}")
+    if deepspeed:  # 16-bit working copies, float32 masters and state inside the (ZeRO) optimizer
+        if mode.deepspeed_as is None:
+            raise ValueError(f"precision {precision!r} does not run under DeepSpeed")
+        low = mode.compute_dtype.itemsize < FLOAT32_BYTES
+        width = DEEPSPEED_LOW_BYTES if low else FLOAT32_BYTES
+        master, state = (FLOAT32_BYTES if low else 0), FLOAT32_BYTES
+    else:  # a torch optimizer keeps its state in the weights' dtype, or beside float32 masters
+        width = mode.param_bytes
+        master, state = (FLOAT32_BYTES if mode.master_weights else 0), mode.optimizer_dtype.itemsize
+    p, every = n_params, n_params + frozen_params
+    params = width * every // (world_size if stage >= 3 else 1)
     grads = width * p // (world_size if stage >= 2 else 1)
-    optimizer //= world_size
-    host = 0
-    if offload_optimizer:
-        host, optimizer = optimizer, 0
-    if offload_params:
-        host, params = host + params, 0
-    return StateBytes(params=params, grads=grads, optimizer=optimizer, host=host)
+    optimizer = int((master + state * optimizer_states) * p) // (world_size if stage >= 1 else 1)
+    host = (optimizer if offload_optimizer else 0) + (params if offload_parameters and stage == 3 else 0)
+    return ModelStateBytes(params, grads, optimizer, host)
+
+
+def state_bytes(n_params: int, precision: str = BASELINE, optimizer_states: float = 2, strategy: str = "auto",
+                world_size: int = 1, frozen_params: int = 0) -> ModelStateBytes:
+    """:func:`model_state_bytes` for a ``conf/strategy`` option (``auto``, ``ddp``, ``zero1`` ... ``zero3_offload``).
+
+    Raises:
+        ValueError: An unknown option, or what :func:`model_state_bytes` refuses.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
+    return model_state_bytes(n_params, precision, optimizer_states, STRATEGIES[strategy], world_size, frozen_params)

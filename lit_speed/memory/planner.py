@@ -10,7 +10,7 @@ reports on a GPU, minus allocator caching and kernel workspaces. Process RSS add
 How a row is predicted: for each precision and checkpointing choice the real module runs forward+backward at
 two probe micro-batches under the tracker; activation bytes are fitted as ``a + b * micro_batch`` and the
 step time as ``t0 + t1 * micro_batch``. One optimizer step is measured the same way for its temporaries.
-Model-state bytes come from :func:`~lit_speed.memory.model_state.state_bytes`. On a CPU the probes run on the
+Model-state bytes come from :func:`~lit_speed.memory.model_state.model_state_bytes`. On a CPU the probes run on the
 CPU: activation bytes are the same on a GPU for the same dtypes, speeds are not (re-run there).
 """
 from __future__ import annotations
@@ -29,12 +29,15 @@ from torch import nn
 from lit_speed.compat.torch import tree_map
 from lit_speed.memory.activation_checkpointing import checkpoint_modules, restore_modules
 from lit_speed.memory.memory_tracker import LiveTensorTracker, tensor_bytes
-from lit_speed.memory.model_state import PARAM_BYTES, STRATEGIES, state_bytes
+from lit_speed.memory.model_state import STRATEGIES, model_state_bytes
+from lit_speed.precision.modes import BASELINE, PLAN_CANDIDATES, TABLE, spec
 
 # Assumed (not measured here) per-process speed factors of DeepSpeed options relative to plain training.
 STRATEGY_SPEED = {"auto": 1.0, "ddp": 1.0, "zero1": 1.0, "zero2": 0.95, "zero2_offload": 0.7, "zero3": 0.8,
                   "zero3_offload": 0.5}
 MULTI_PROCESS_EFFICIENCY = 0.9  # assumed data-parallel scaling efficiency per extra process
+# state tensors per parameter kept by each optimizer option in conf/optimizer
+OPTIMIZER_STATES = {"adamw": 2, "adamw_fused": 2, "adamw_base": 2, "cpu_adam": 2, "sgd": 1, "lion": 1}
 
 
 @dataclass(frozen=True)
@@ -101,11 +104,9 @@ def default_step(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def _precision_context(precision: str, device_type: str) -> contextlib.AbstractContextManager:
-    if precision.endswith("-mixed"):
-        # Lightning runs 16-mixed on CPU as bf16 autocast; do the same
-        dtype = torch.float16 if precision == "16-mixed" and device_type == "cuda" else torch.bfloat16
-        return torch.autocast(device_type, dtype=dtype)
-    return contextlib.nullcontext()
+    """Autocast as the mode runs it (GuardedPrecision: 16-mixed is fp16 autocast on CPU too)."""
+    dtype = spec(precision).autocast_dtype
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def _linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -134,18 +135,17 @@ class Probe:
         return micro_batch / (t0 + t1 * micro_batch)
 
 
-def probe(model: nn.Module, batch: Any, precision: str = "32-true", checkpoint: Sequence[str | type] = (),
+def probe(model: nn.Module, batch: Any, precision: str = BASELINE, checkpoint: Sequence[str | type] = (),
           micro_batches: tuple[int, int] = (2, 4), step_fn: Callable[[nn.Module, Any], torch.Tensor] = default_step,
           repeats: int = 2) -> Probe:
     """Measure forward+backward peak bytes (params excluded) and time at two micro-batches.
 
     ``checkpoint`` names the submodule types to checkpoint during the probe (restored afterwards).
     """
-    if precision not in PARAM_BYTES:
-        raise ValueError(f"precision must be one of {sorted(PARAM_BYTES)}, got {precision!r}")
+    module_dtype = spec(precision).module_dtype  # raises for an unknown precision
     device_type = next(model.parameters()).device.type
-    if precision.endswith("-true") and precision != "32-true":
-        model = copy.deepcopy(model).to(torch.bfloat16 if precision.startswith("bf16") else torch.float16)
+    if module_dtype is not None:  # bf16-true, bf16-master: the module trains in bf16
+        model = copy.deepcopy(model).to(module_dtype)
     was_training = model.training
     model.train()
     if checkpoint:
@@ -208,7 +208,7 @@ def _overrides(precision: str, checkpointing: bool, micro_batch: int, strategy: 
 
 
 def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_batches: Sequence[int] = (4, 8, 16, 32),
-         precisions: Sequence[str] = ("32-true", "bf16-mixed"), checkpoint_modules: Sequence[str] = ("Block",),
+         precisions: Sequence[str] = PLAN_CANDIDATES, checkpoint_modules: Sequence[str] = ("Block",),
          strategies: Sequence[str] = ("auto",), world_size: int = 1, optimizer: str = "adamw",
          optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None, base_overrides: Sequence[str] = (),
          batch_key: str = "data.batch_size", probe_batches: tuple[int, int] = (2, 4),
@@ -238,9 +238,7 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
 
         plan(model, next(iter(dm.train_dataloader())), budget_bytes=64 * 2**20).rows[0].command
     """
-    from lit_speed.memory.model_state import OPTIMIZER_STATES
-
-    for name, values, allowed in (("strategies", strategies, STRATEGIES), ("precisions", precisions, PARAM_BYTES)):
+    for name, values, allowed in (("strategies", strategies, STRATEGIES), ("precisions", precisions, TABLE)):
         bad = [v for v in values if v not in allowed]
         if bad or not values:
             raise ValueError(f"plan {name} must be a non-empty list from {sorted(allowed)}, got {list(values)}")
@@ -262,14 +260,17 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
     for (precision, ckpt), pr in probes.items():
         for mb in micro_batches:
             for strategy in strategies:
-                st = state_bytes(n_params, precision, OPTIMIZER_STATES[optimizer], strategy, world_size, n_frozen)
-                stage, offload_opt, _ = STRATEGIES[strategy]
+                layout = STRATEGIES[strategy]
+                st = model_state_bytes(n_params, precision, OPTIMIZER_STATES[optimizer], layout, world_size, n_frozen)
+                width = spec(precision).param_bytes
                 # the probe's activations include full gradients; ZeRO-2/3 keep only their partition
-                act = pr.activation_bytes(mb) - PARAM_BYTES[precision] * n_params + st.grads
-                temp = 0 if offload_opt else step_temp * PARAM_BYTES[precision] // 4 // (world_size if stage else 1)
+                act = pr.activation_bytes(mb) - width * n_params + st.grads
+                temp = 0 if layout.offload_optimizer else \
+                    step_temp * width // 4 // (world_size if layout.stage else 1)
                 # Lightning zero-grads after training_step, so last step's gradients live through the forward
                 forward = pr.forward_bytes(mb) + st.grads
-                peak = st.params + st.optimizer + max(forward, act, st.grads + temp) + tensor_bytes(resize_batch(batch, mb))
+                resident = st.device - st.grads  # parameters and optimizer state left on the device
+                peak = resident + max(forward, act, st.grads + temp) + tensor_bytes(resize_batch(batch, mb))
                 speed = pr.samples_per_sec(mb) * STRATEGY_SPEED[strategy]
                 speed *= world_size * (MULTI_PROCESS_EFFICIENCY if world_size > 1 else 1.0)
                 rows.append(PlanRow(precision, ckpt, mb, strategy, world_size, peak, st.host, act, speed,

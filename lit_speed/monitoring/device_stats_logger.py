@@ -14,11 +14,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_speed.monitoring.diagnosis import RunStats, diagnose, format_compute, verdict_rows
-from lit_speed.monitoring.flops import (FlopCount, compute_dtype, contains_compiled, gpu_peak_flops,
-                                       measure_cpu_peak_flops)
+from lit_speed.monitoring.flops import FlopCount, contains_compiled, gpu_peak_flops, measure_cpu_peak_flops
 from lit_speed.monitoring.samplers import HostStats, NvmlSampler, summarize_gpu_samples
 from lit_speed.monitoring.step_timer import StepTimer, TimeSplit
 from lit_speed.run_summary import batch_size_and_tokens
+from lit_speed.precision.modes import compute_dtype
 from lit_speed.tables import print_table
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class DeviceStatsLogger(Callback):
         if self._peak is not None:
             return
         device = trainer.strategy.root_device
-        dtype = compute_dtype(getattr(trainer.precision_plugin, "precision", trainer.precision), device.type)
+        dtype = compute_dtype(getattr(trainer.precision_plugin, "precision", trainer.precision))
         if device.type == "cuda":
             tf32 = torch.get_float32_matmul_precision() != "highest"
             name = torch.cuda.get_device_name(device)

@@ -37,21 +37,6 @@ _GPU_PEAKS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
 _DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def compute_dtype(precision: str, device_type: str) -> torch.dtype:
-    """The dtype matmuls run in under a Lightning precision literal (``"bf16-mixed"``, ``"32-true"``, ...).
-
-    Lightning runs ``"16-mixed"`` as bfloat16 autocast on CPU, so that is what the CPU peak is measured in.
-    """
-    precision = str(precision)
-    if precision.startswith("bf16") or precision == "transformer-engine":
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.bfloat16 if device_type == "cpu" else torch.float16
-    if precision.startswith("64"):
-        return torch.float64
-    return torch.float32
-
-
 def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
     """Datasheet peak FLOP/s of a GPU by its name (``torch.cuda.get_device_name()``), or None if unknown.
 

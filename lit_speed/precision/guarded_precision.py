@@ -59,7 +59,7 @@ class GuardedPrecision(Precision):
         trainer = Trainer(plugins=[GuardedPrecision("16-mixed", on_nonfinite="fallback")])
     """
 
-    def __init__(self, mode: str = "32-true", on_nonfinite: str | None = None, fallback_after: int = 3,
+    def __init__(self, mode: str = modes.BASELINE, on_nonfinite: str | None = None, fallback_after: int = 3,
                  fallback_chain: Sequence[str] | None = None, init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
                  min_scale: float = 1.0, matmul_precision: str | None = None,
@@ -67,8 +67,8 @@ class GuardedPrecision(Precision):
                  threads: int | str | None = None) -> None:
         self.requested_mode = modes.check_mode(mode)
         self.threads = ThreadChoice(threads)
-        if on_nonfinite is None:
-            on_nonfinite = "skip" if mode == "bf16-true" else "fallback"
+        if on_nonfinite is None:  # nothing to fall back to without float32 weights
+            on_nonfinite = "fallback" if mode == modes.AUTO or modes.spec(mode).float32_weights else "skip"
         self._user_chain = modes.check_chain(mode, fallback_chain, on_nonfinite)
         if not (isinstance(fallback_after, int) and fallback_after >= 1):
             raise ValueError(f"GuardedPrecision(fallback_after={fallback_after!r}): fallback_after must be an int "
@@ -118,11 +118,21 @@ class GuardedPrecision(Precision):
         """The Lightning literal of the current mode (changes after a fallback)."""
         return self.mode
 
+    @property
+    def _spec(self) -> modes.ModeSpec:
+        """What the current mode does (:mod:`lit_speed.precision.modes`)."""
+        return modes.spec(self.mode)
+
+    @property
+    def _cast_dtype(self) -> torch.dtype | None:
+        """The dtype this plugin casts the module to itself (``bf16-true``); ``bf16-master``'s masters cast theirs."""
+        return None if self._spec.master_weights else self._spec.module_dtype
+
     # ---- setup -------------------------------------------------------------------------------------------
 
     def _resolve(self, device_type: str, probe: bool, strategy: Any = None) -> tuple[str, str]:
         """The mode by rule (device, bf16 support, the matmul probe); ``auto`` may still time it (:meth:`_setup`)."""
-        if self.requested_mode != "auto":
+        if self.requested_mode != modes.AUTO:
             return self.requested_mode, "requested"
         cpu_probe = probe and device_type == "cpu" and cpu_has_native_bf16()
         return modes.choose_auto_mode(device_type, _cuda_bf16(), cpu_has_native_bf16(), measure_slowdown(
@@ -131,7 +141,7 @@ class GuardedPrecision(Precision):
     def _timed_candidates(self, rule_mode: str, strategy: Any) -> list[str] | None:
         """The modes ``auto`` times on the first training batch: on a CPU with native bf16 kernels, when the rule
         did not already rule bf16 out, among the modes the strategy accepts (no ``bf16-master`` under DDP)."""
-        if self.requested_mode != "auto" or self.device_type != "cpu" or rule_mode == "32-true" \
+        if self.requested_mode != modes.AUTO or self.device_type != "cpu" or rule_mode == modes.BASELINE \
                 or not cpu_has_native_bf16():
             return None
         candidates = modes.allowed_modes(modes.TIMED_CANDIDATES, strategy)
@@ -156,19 +166,19 @@ class GuardedPrecision(Precision):
             else:
                 self.mode, self.reason = self._resolve(self.device_type, probe=True, strategy=strategy)
             self._timing_candidates = self._timed_candidates(self.mode, strategy) if trainer is not None else None
-            if self._timing_candidates is not None:  # 32-true until the first training batch has been timed
-                self.mode = "32-true"
+            if self._timing_candidates is not None:  # the baseline until the first training batch has been timed
+                self.mode = modes.BASELINE
                 self.reason = (f"{self.reason}; times {', '.join(self._timing_candidates)} on this model's step at "
                                "the first training batch and keeps the fastest")
             self._set_chain()
             self._start_mode = self.mode
             self._resolved = True
-            if self.requested_mode == "auto" and self._timing_candidates is None:
+            if self.requested_mode == modes.AUTO and self._timing_candidates is None:
                 rank_zero_info(f"GuardedPrecision: precision=auto -> {self.mode} ({self.reason})")
         modes.check_device_support(self.mode, self.device_type, _cuda_bf16())
-        if self.device_type == "cpu" and self.requested_mode != "auto":
+        if self.device_type == "cpu" and self.requested_mode != modes.AUTO:
             self._warn_if_slow(modes.compute_dtype(self.mode))
-        if self.mode == "16-mixed" and (self.scaler is None or self._scaler_device != self.device_type):
+        if self._spec.loss_scaling and (self.scaler is None or self._scaler_device != self.device_type):
             self._make_scaler()
         self.threads.apply_fixed()
         if self.matmul_precision is not None and self._previous_matmul_precision is None:
@@ -200,9 +210,9 @@ class GuardedPrecision(Precision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         self._module = module
         self._setup(module)
-        if self.mode == "bf16-master" and (self._master is None or self._master.module is not module):
+        if self._spec.master_weights and (self._master is None or self._master.module is not module):
             self._master = MasterWeights(module)  # masters from the (restored) float32 weights, module -> bf16
-        return module.to(torch.bfloat16) if self.mode == "bf16-true" else module
+        return module.to(self._cast_dtype) if self._cast_dtype is not None else module
 
     @override
     def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -213,8 +223,7 @@ class GuardedPrecision(Precision):
         if self._master is not None:  # the optimizers step the float32 masters; the guard names them
             self._param_names.update(self._master.attach(optimizers))
         if self.fp32_modules:
-            self._islands = Float32Islands(self.device_type or "cpu",
-                                           torch.bfloat16 if self.mode == "bf16-true" else None)
+            self._islands = Float32Islands(self.device_type or "cpu", self._cast_dtype)
             self._islands.install(match_modules(model, self.fp32_modules))
         for config in lr_schedulers:  # no scheduler step on a skipped optimizer step (Lightning #18828)
             if not isinstance(config.scheduler, SkipAwareScheduler):
@@ -234,12 +243,12 @@ class GuardedPrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        dtype = modes.autocast_dtype(self.mode)
+        dtype = self._spec.autocast_dtype
         device_type = self.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype is not None:
             context = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
-        elif self.mode == "bf16-true":
-            context = default_dtype(torch.bfloat16)
+        elif self._cast_dtype is not None:
+            context = default_dtype(self._cast_dtype)
         else:
             context = nullcontext()
         with context:
@@ -254,7 +263,8 @@ class GuardedPrecision(Precision):
             self.threads.decide(self._trainer, data, self.mode)
         if self._timing_candidates is not None and training:
             self._decide_by_timing(data)
-        return cast_floating(data, torch.bfloat16) if self.mode in ("bf16-true", "bf16-master") else data
+        module_dtype = self._spec.module_dtype  # a bf16 module (bf16-true, bf16-master) takes bf16 inputs
+        return cast_floating(data, module_dtype) if module_dtype is not None else data
 
     def _decide_by_timing(self, batch: Any) -> None:
         """``auto`` on a CPU with native bf16: time the candidate modes on copies of the model with this (the
@@ -285,12 +295,12 @@ class GuardedPrecision(Precision):
         if mode == self.mode:
             return
         self.mode = mode
-        if mode == "bf16-master" and self._master is None and self._module is not None:
+        if self._spec.master_weights and self._master is None and self._module is not None:
             self._master = MasterWeights(self._module)
             self._param_names.update(self._master.attach(self._optimizers))
         self._release_masters()
         self._set_chain()
-        if self.mode == "16-mixed" and self.scaler is None:
+        if self._spec.loss_scaling and self.scaler is None:
             self._make_scaler()
 
     # ---- backward and step -------------------------------------------------------------------------------
@@ -365,7 +375,7 @@ class GuardedPrecision(Precision):
                     f"gradient clipping (Trainer(gradient_clip_val=1.0)), or check the data and the loss.")
         return (f"GuardedPrecision: non-finite values at step {step} under {self.mode} ({what}{scale_txt}); "
                 f"on_nonfinite='raise' stops here. Try on_nonfinite=fallback (continue in "
-                f"{' -> '.join(self._chain) or '32-true'}), a lower learning rate, gradient clipping "
+                f"{' -> '.join(self._chain) or modes.BASELINE}), a lower learning rate, gradient clipping "
                 f"(Trainer(gradient_clip_val=1.0)), or fp32_modules=[LayerNorm] for the layers that overflow.")
 
     def _fall_back(self, step: int, what: str) -> None:
@@ -374,7 +384,7 @@ class GuardedPrecision(Precision):
         self.reason = f"fell back from {old} at step {step}"
         self.counters.consecutive_bad = 0
         self.counters.fallbacks.append({"step": step, "from": old, "to": self.mode, "reason": what})
-        if self.mode == "16-mixed":
+        if self._spec.loss_scaling:
             self._make_scaler()
         else:
             self.scaler = None
@@ -382,7 +392,7 @@ class GuardedPrecision(Precision):
                        f"at step {step}: {what}); continuing in {self.mode}. The checkpoint keeps this mode.")
 
     def _release_masters(self) -> None:  # left bf16-master: the float32 masters become the weights
-        if self._master is not None and self.mode != "bf16-master":
+        if self._master is not None and not self._spec.master_weights:
             self._master.release(self._optimizers)
             self._master = None
 
@@ -412,14 +422,14 @@ class GuardedPrecision(Precision):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         start = state_dict.get("start_mode")
-        configured = "auto" if self.requested_mode == "auto" else self._start_mode or self.requested_mode
-        if start is not None and configured not in ("auto", start):
+        configured = modes.AUTO if self.requested_mode == modes.AUTO else self._start_mode or self.requested_mode
+        if start is not None and configured not in (modes.AUTO, start):
             rank_zero_warn(f"GuardedPrecision: the checkpoint was trained from precision {start!r} "
                            f"(last {state_dict.get('mode')!r}); this run asks for {configured!r}, so the "
                            f"checkpoint's precision state is not restored.")
             return
         self.threads.load_state_dict(state_dict)
-        reused = self.requested_mode == "auto" and state_dict.get("mode") is not None
+        reused = self.requested_mode == modes.AUTO and state_dict.get("mode") is not None
         self._timing_candidates = None  # auto's decision comes from the checkpoint: the resumed run is not re-timed
         self._switch_to(state_dict.get("mode", self.mode))
         self._start_mode = start or self.mode
@@ -431,7 +441,7 @@ class GuardedPrecision(Precision):
         elif reused:
             self.reason = f"precision=auto's decision, restored from the checkpoint (not timed again): " \
                           f"{state_dict.get('reason', 'no reason saved')}"
-        if self.mode != "16-mixed":
+        if not self._spec.loss_scaling:
             self.scaler = None
         elif "scaler" in state_dict:
             self._pending_scaler_state = state_dict["scaler"]
@@ -443,19 +453,20 @@ class GuardedPrecision(Precision):
     def describe(self) -> dict[str, str]:
         """Rows for the start-up table (before setup, ``auto`` shows the probe's guess and what setup will time)."""
         shown = None
-        if self.requested_mode == "auto" and not self._resolved:
+        if self.requested_mode == modes.AUTO and not self._resolved:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
             self.mode, self.reason = self._resolve(device_type, probe=True)
-            if device_type == "cpu" and self.mode != "32-true":  # timed on the first training batch, CPU only
+            if device_type == "cpu" and self.mode != modes.BASELINE:  # timed on the first training batch, CPU only
                 shown = (f"auto: times {', '.join(modes.TIMED_CANDIDATES)} on this model's first training batch and "
                          f"keeps the fastest (by rule alone: {self.mode}, {self.reason})")
         scaler = ", ".join(f"{k}={v:g}" for k, v in self.scaler_config.items())
         guard = self.on_nonfinite + (f" after {self.fallback_after} bad steps -> "
                                      f"{' -> '.join(self._chain or modes.default_chain(self.mode)) or 'none'}"
                                      if self.on_nonfinite == "fallback" else "")
-        rows = {"precision": shown or (f"{self.mode} ({self.reason})" if self.requested_mode == "auto" else self.mode),
+        rows = {"precision": shown or (f"{self.mode} ({self.reason})" if self.requested_mode == modes.AUTO
+                                       else self.mode),
                 "non-finite guard": guard}
-        if self.mode == "16-mixed":
+        if self._spec.loss_scaling:
             rows["loss scaler"] = scaler
         if self.threads.requested is not None:
             rows["threads"] = self.threads.describe()

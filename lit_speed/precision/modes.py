@@ -1,37 +1,130 @@
-"""Precision modes as plain data and functions: validation, ``auto`` choice, fallback chains, compatibility.
+"""The precision-mode table, and the rules of GuardedPrecision's modes: validation, ``auto``, fallback chains.
 
-Nothing here needs a ``Trainer``; :class:`~lit_speed.precision.guarded_precision.GuardedPrecision` wires it to
+One :class:`ModeSpec` per mode (Lightning's literals, and lit_speed's ``bf16-master``) says what the mode does to a
+model's numbers: the dtype of the module's weights, the dtype autocast runs matmuls in, whether float32 master
+weights are kept, whether the loss is scaled, and what DeepSpeed runs it as. Everything that needs one of those facts
+asks :func:`spec` (the plugin, the planner's probes, the model-state calculator in
+:mod:`lit_speed.memory.model_state`, FLOPs/MFU's compute dtype, ZeRO's precision section) instead of writing the
+literal again; ``tests/test_architecture.py`` counts the files that still do. A new mode is one row here.
+
+Nothing here needs a ``Trainer``; :class:`~lit_speed.precision.guarded_precision.GuardedPrecision` wires the rules to
 Lightning's hooks, and the tests exercise every rule with given inputs (device, bf16 support, probe ratio).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-#: Modes a user may ask for (Lightning's own literals, ``bf16-master`` and ``auto``). ``bf16-master``: bf16
-#: module, no autocast, float32 master weights in the optimizer (see ``master_weights.py``).
-MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "bf16-master", "auto")
-#: Modes a fallback chain may move to: mixed modes keep float32 weights, so switching between them is free.
-CHAIN_MODES = ("16-mixed", "bf16-mixed", "32-true")
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """What one precision mode does to a model's numbers.
+
+    Args:
+        name: The literal (``"bf16-mixed"``).
+        weight_dtype: The dtype of the module's parameters, and so of their gradients, while training.
+        autocast_dtype: The dtype autocast runs matmuls in, ``None`` for no autocast.
+        master_weights: The optimizer steps float32 copies of the weights (and keeps its state in float32).
+        loss_scaling: Gradients underflow without a dynamic loss scale (fp16).
+        deepspeed_as: The Lightning literal ``ZeroStrategy`` hands DeepSpeed for this mode (DeepSpeed's ``bf16``
+            section is ``bf16-master``: a bf16 module with float32 masters), ``None`` where ZeRO cannot run it.
+        guarded: ``GuardedPrecision`` runs it (the others are Lightning-only literals a logger may still meet).
+        one_process: Runs on a single process only (its gradient hook would move gradients before DDP all-reduces).
+        code: The value ``precision/mode`` logs (loggers take numbers).
+    """
+
+    name: str
+    weight_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None = None
+    master_weights: bool = False
+    loss_scaling: bool = False
+    deepspeed_as: str | None = None
+    guarded: bool = True
+    one_process: bool = False
+    code: int | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the heavy ops (matmuls) run in: what a matmul probe and MFU's peak must use."""
+        return self.autocast_dtype or self.weight_dtype
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per parameter element (and per gradient element) of the module."""
+        return self.weight_dtype.itemsize
+
+    @property
+    def float32_weights(self) -> bool:
+        """Float32 weights exist (the module's, or the masters): a fallback to another mode loses nothing."""
+        return self.weight_dtype == torch.float32 or self.master_weights
+
+    @property
+    def module_dtype(self) -> torch.dtype | None:
+        """The dtype the plugin casts the whole module (and its float inputs) to, ``None`` when it stays float32.
+        ``bf16-master``'s module is cast by its :class:`~lit_speed.precision.master_weights.MasterWeights`."""
+        return None if self.weight_dtype == torch.float32 else self.weight_dtype
+
+    @property
+    def optimizer_dtype(self) -> torch.dtype:
+        """The dtype a torch optimizer keeps its state in: the masters' float32, else the weights' dtype."""
+        return torch.float32 if self.master_weights else self.weight_dtype
+
+
+#: Every mode lit_speed reasons about, in the order errors list them.
+TABLE: dict[str, ModeSpec] = {s.name: s for s in (
+    ModeSpec("32-true", torch.float32, deepspeed_as="32-true", code=0),
+    ModeSpec("bf16-mixed", torch.float32, torch.bfloat16, deepspeed_as="bf16-mixed", code=1),
+    ModeSpec("16-mixed", torch.float32, torch.float16, loss_scaling=True, deepspeed_as="16-mixed", code=2),
+    ModeSpec("bf16-true", torch.bfloat16, deepspeed_as="bf16-true", code=3),
+    ModeSpec("bf16-master", torch.bfloat16, master_weights=True, deepspeed_as="bf16-mixed", one_process=True, code=4),
+    ModeSpec("16-true", torch.float16, deepspeed_as="16-true", guarded=False),
+    ModeSpec("64-true", torch.float64, guarded=False),
+    # Lightning's TransformerEnginePrecision: fp8 matmuls around bf16/fp16 weights (MFU's peak: the weights' dtype)
+    ModeSpec("transformer-engine", torch.bfloat16, guarded=False),
+    ModeSpec("transformer-engine-float16", torch.float16, guarded=False),
+)}
+AUTO = "auto"  # not a mode: GuardedPrecision picks one at setup
+#: The full-precision mode: the end of every fallback chain and the reference the others are timed against.
+BASELINE = "32-true"
+#: Modes a user may ask GuardedPrecision for.
+MODES = (*(name for name, s in TABLE.items() if s.guarded), AUTO)
+#: Modes a fallback chain may move to, in order: mixed modes keep float32 weights, so switching between them is free.
+CHAIN_MODES = ("16-mixed", "bf16-mixed", BASELINE)
 #: ``precision/mode`` is logged as a number (loggers take floats); the code of each mode.
-MODE_CODES = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 2, "bf16-true": 3, "bf16-master": 4}
+MODE_CODES = {name: s.code for name, s in TABLE.items() if s.code is not None}
 #: Modes ``auto`` times on the user's own step (CPU with native bf16); the fastest finite one is chosen.
-TIMED_CANDIDATES = ("32-true", "bf16-master", "bf16-mixed")
+TIMED_CANDIDATES = (BASELINE, "bf16-master", "bf16-mixed")
+#: The modes a memory plan compares when none are named: full precision and bf16 without loss scaling.
+PLAN_CANDIDATES = (BASELINE, "bf16-mixed")
+#: The modes DeepSpeed runs under ZeroStrategy (as Lightning literals).
+DEEPSPEED_MODES = tuple(name for name, s in TABLE.items() if s.deepspeed_as == name)
 NONFINITE_POLICIES = ("skip", "fallback", "raise")
 DEVICE_TYPES = ("cpu", "cuda")
 
 
-def autocast_dtype(mode: str) -> torch.dtype | None:
-    """The dtype autocast runs matmuls in for ``mode`` (``None``: no autocast)."""
-    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(mode)
+def spec(mode: str) -> ModeSpec:
+    """The :class:`ModeSpec` of ``mode``.
+
+    Raises:
+        ValueError: For a literal the table does not hold, listing the ones it does.
+    """
+    found = TABLE.get(str(mode))
+    if found is None:
+        raise ValueError(f"precision must be one of {', '.join(TABLE)}, got {mode!r}")
+    return found
 
 
 def compute_dtype(mode: str) -> torch.dtype:
-    """The dtype the heavy ops run in: what the slowness probe must time."""
-    return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "bf16-master": torch.bfloat16,
-            "16-mixed": torch.float16}.get(
-        mode, torch.float32)
+    """The dtype the heavy ops run in under ``mode``; float32 for a literal the table does not know."""
+    found = TABLE.get(str(mode))
+    return found.compute_dtype if found is not None else torch.float32
+
+
+def autocast_dtype(mode: str) -> torch.dtype | None:
+    """The dtype autocast runs matmuls in for ``mode`` (``None``: no autocast)."""
+    return spec(mode).autocast_dtype
 
 
 def check_mode(mode: Any) -> str:
@@ -71,7 +164,7 @@ def check_device_support(mode: str, device_type: str, cuda_bf16: bool) -> None:
         raise ValueError(f"GuardedPrecision runs on {' or '.join(DEVICE_TYPES)}; the trainer's device is "
                          f"{device_type!r}. Fix: Trainer(accelerator='cpu' or 'gpu'), or use Lightning's own "
                          f"precision plugin for {device_type}.")
-    if device_type == "cuda" and mode in ("bf16-mixed", "bf16-true", "bf16-master") and not cuda_bf16:
+    if device_type == "cuda" and compute_dtype(mode) == torch.bfloat16 and not cuda_bf16:
         raise ValueError(f"GuardedPrecision(mode={mode!r}): mode={mode!r} needs bf16 support, which this CUDA "
                          f"device lacks "
                          f"(torch.cuda.is_bf16_supported() is False; bf16 needs Ampere or newer). "
@@ -80,8 +173,8 @@ def check_device_support(mode: str, device_type: str, cuda_bf16: bool) -> None:
 
 def default_chain(mode: str, bf16_ok: bool = True) -> list[str]:
     """Modes tried after ``mode`` fails: 16-mixed -> bf16-mixed -> 32-true (bf16 dropped if unsupported)."""
-    if mode == "bf16-master":
-        return ["32-true"]  # the float32 masters become the module's weights
+    if mode in TABLE and spec(mode).master_weights:
+        return [BASELINE]  # the float32 masters become the module's weights
     if mode not in CHAIN_MODES:
         return []
     rest = list(CHAIN_MODES[CHAIN_MODES.index(mode) + 1:])
@@ -94,7 +187,7 @@ def check_chain(mode: str, chain: Sequence[str] | None, on_nonfinite: str) -> li
         raise ValueError(f"GuardedPrecision(on_nonfinite={on_nonfinite!r}): on_nonfinite must be one of "
                          f"{', '.join(NONFINITE_POLICIES)}; got {on_nonfinite!r}. Fix: on_nonfinite='fallback' to "
                          "switch mode after repeated bad steps.")
-    if on_nonfinite == "fallback" and mode == "bf16-true":
+    if on_nonfinite == "fallback" and mode in TABLE and not spec(mode).float32_weights:
         raise ValueError("GuardedPrecision(on_nonfinite='fallback'): on_nonfinite='fallback' needs a mixed mode "
                          "(float32 weights to fall back to); bf16-true keeps the weights in bf16. Fix: "
                          "on_nonfinite='skip' or 'raise' with mode='bf16-true', or mode='bf16-mixed'.")
@@ -137,13 +230,13 @@ def check_strategy(mode: str, strategy: Any) -> None:
             "precision over: DeepSpeed runs its own loss scaler, backward and step, so this plugin would "
             "double-scale or bypass it. Fix: lit_speed.ZeroStrategy(stage=1|2|3) (it configures "
             "DeepSpeed's bf16/fp16 from this plugin), or drop the plugin and pass Trainer(precision=...).")
-    if mode == "bf16-master" and names & {"DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
+    if mode in TABLE and spec(mode).one_process and names & {"DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
         raise ValueError(
             f"GuardedPrecision(mode='bf16-master'): mode='bf16-master' runs on one process for now: its gradient "
             f"hook moves each bf16 gradient into the float32 master before {type(strategy).__name__} could all-reduce "
             f"it. Fix: mode='bf16-mixed' (float32 weights, autocast) for multi-process runs, or a single-device "
             f"strategy.")
-    if mode == "16-mixed" and names & {"FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
+    if mode in TABLE and spec(mode).loss_scaling and names & {"FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
         raise ValueError(
             f"GuardedPrecision(mode='16-mixed'): mode='16-mixed' needs loss scaling, which GuardedPrecision cannot "
             f"do under "

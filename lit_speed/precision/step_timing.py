@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lit_speed.compat import lightning as pl_compat
+from lit_speed.precision import modes as mode_table
 from lit_speed.precision.fp32_modules import cast_floating
 from lit_speed.precision.master_weights import MasterWeights
 
@@ -98,8 +99,8 @@ def settled(entry: dict[str, Any]) -> bool:
     samples = entry.get("samples") or {}
     rounds = min((len(v) for v in samples.values() if v), default=0)
     times = {m: t for m, t in entry.get("times", {}).items() if t is not None}
-    base = times.get("32-true")
-    undecided = base is not None and choose_by_timing(times)[0] == "32-true" and min(times.values()) < base
+    base = times.get(mode_table.BASELINE)
+    undecided = base is not None and choose_by_timing(times)[0] == mode_table.BASELINE and min(times.values()) < base
     return not undecided or rounds >= SETTLE_ROUNDS
 
 
@@ -133,17 +134,22 @@ class _ModeRun:
     """One candidate mode: its own copy of the model, optimizer and (``bf16-master``) float32 masters."""
 
     def __init__(self, base: nn.Module, mode: str, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> None:
+        spec = mode_table.spec(mode)
         self.model = copy.deepcopy(base)
         self.device_type = next(self.model.parameters()).device.type
-        self.masters = MasterWeights(self.model) if mode == "bf16-master" else None
+        self.masters = MasterWeights(self.model) if spec.master_weights else None
+        if spec.module_dtype is not None and self.masters is None:
+            self.model.to(spec.module_dtype)
         params = list(self.masters.parameters()) if self.masters is not None else list(self.model.parameters())
         self.opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-        self.context = (lambda: torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False)) \
-            if mode == "bf16-mixed" else nullcontext
+        autocast = spec.autocast_dtype
+        self.context = (lambda: torch.autocast(self.device_type, dtype=autocast, cache_enabled=False)) \
+            if autocast is not None else nullcontext
         self.loss_fn = loss_fn
-        # bf16-master trains a bf16 module on bf16 inputs (GuardedPrecision.convert_input casts them there too)
-        self.convert: Callable[[Any], Any] = (lambda b: cast_floating(b, torch.bfloat16)) \
-            if mode == "bf16-master" else (lambda b: b)
+        # a bf16 module trains on bf16 inputs (GuardedPrecision.convert_input casts them there too)
+        module_dtype = spec.module_dtype
+        self.convert: Callable[[Any], Any] = (lambda b: cast_floating(b, module_dtype)) \
+            if module_dtype is not None else (lambda b: b)
         self.times: list[float] = []
         self.finite = True
 
@@ -198,11 +204,11 @@ def choose_by_timing(times: dict[str, float | None], min_gain: float = MIN_GAIN)
     finite = {m: t for m, t in times.items() if t is not None and math.isfinite(t)}
     shown = ", ".join(f"{m} {1000 * t:.1f} ms" if t is not None else f"{m} non-finite" for m, t in times.items())
     if not finite:
-        return "32-true", f"no mode gave a finite loss when timed ({shown})"
+        return mode_table.BASELINE, f"no mode gave a finite loss when timed ({shown})"
     best = min(finite, key=finite.get)  # type: ignore[arg-type]
-    base = finite.get("32-true")
-    if base is not None and best != "32-true" and finite[best] > (1 - min_gain) * base:
-        best = "32-true"
+    base = finite.get(mode_table.BASELINE)
+    if base is not None and best != mode_table.BASELINE and finite[best] > (1 - min_gain) * base:
+        best = mode_table.BASELINE
     return best, f"timed this model's step on one micro-batch: {shown}"
 
 

@@ -1,88 +1,15 @@
-"""Per-rank memory of model states under ZeRO: DeepSpeed's formulas, and a measurement of the real tensors.
+"""Per-rank model-state memory under ZeRO, measured from the real tensors, and its display.
 
-The formulas are those of the ZeRO paper (Rajbhandari et al., 2020) that DeepSpeed's
-``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs`` implement:
-with ``P`` parameters, ``N`` data-parallel ranks and Adam,
-
-* mixed precision (bf16/fp16): 2P bytes of low-precision weights, 2P of gradients, 12P of optimizer state
-  (fp32 master weights + exp_avg + exp_avg_sq);
-* fp32: 4P of weights, 4P of gradients, 8P of optimizer state (exp_avg + exp_avg_sq);
-* stage 1 shards the optimizer state over ``N``, stage 2 also the gradients, stage 3 also the weights;
-* offload moves the (sharded) optimizer state, and at stage 3 the weights, to host memory.
-
-Activations and temporary buckets are not model states and are not counted.
+The estimate is :func:`lit_speed.memory.model_state.model_state_bytes` (the one calculator, DeepSpeed's formulas);
+this module measures what a rank really holds, to compare with it in ``summary.json``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lit_speed.compat import lightning as pl_compat
-
-_WEIGHT_BYTES = {"32-true": 4, "bf16-mixed": 2, "bf16-true": 2, "16-mixed": 2, "16-true": 2}
-
-
-@dataclass(frozen=True)
-class ZeroMemoryEstimate:
-    """Bytes of model states held by one rank, split by where they live."""
-
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    offloaded_bytes: int  # the part of the three above that lives in host (CPU) memory
-
-    @property
-    def total_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
-
-    @property
-    def device_bytes(self) -> int:
-        return self.total_bytes - self.offloaded_bytes
-
-
-def estimate_zero_memory(num_params: int, stage: int, world_size: int = 1, precision: str = "32-true",
-                         offload_optimizer: bool = False, offload_parameters: bool = False,
-                         optimizer_states_per_param: int = 2) -> ZeroMemoryEstimate:
-    """Per-rank bytes of weights, gradients and optimizer state under a ZeRO stage.
-
-    Args:
-        num_params: Trainable parameters of the model.
-        stage: 0 (plain data parallel, the baseline), 1, 2 or 3.
-        world_size: Data-parallel ranks sharing the states.
-        precision: A Lightning precision literal; mixed/half precisions keep an fp32 master copy.
-        offload_optimizer: Optimizer state lives in host memory.
-        offload_parameters: Weights live in host memory (stage 3 only).
-        optimizer_states_per_param: fp32 state tensors per parameter (2 for Adam, 1 for SGD with momentum).
-
-    Raises:
-        ValueError: If ``stage``, ``world_size``, ``precision`` or ``num_params`` is out of range.
-
-    Example::
-
-        >>> estimate_zero_memory(1_000_000, stage=2, world_size=2, precision="bf16-mixed").total_bytes
-        9000000
-    """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be one of (0, 1, 2, 3), got {stage!r}")
-    if world_size < 1 or num_params < 0:
-        raise ValueError(f"world_size must be >= 1 and num_params >= 0, got {world_size} and {num_params}")
-    if precision not in _WEIGHT_BYTES:
-        raise ValueError(f"precision must be one of {tuple(_WEIGHT_BYTES)}, got {precision!r}")
-    weight = _WEIGHT_BYTES[precision]
-    master = 0 if weight == 4 else 4  # low-precision training keeps an fp32 master copy in the optimizer
-    params = weight * num_params
-    grads = weight * num_params
-    optimizer = (master + 4 * optimizer_states_per_param) * num_params
-    if stage >= 1:
-        optimizer //= world_size
-    if stage >= 2:
-        grads //= world_size
-    if stage >= 3:
-        params //= world_size
-    offloaded = (optimizer if offload_optimizer else 0) + (params if offload_parameters and stage == 3 else 0)
-    return ZeroMemoryEstimate(params, grads, optimizer, offloaded)
 
 
 def format_bytes(n: int) -> str:

@@ -11,6 +11,10 @@ import difflib
 import math
 from typing import Any, Mapping
 
+import torch
+
+from lit_speed.precision import modes
+
 # Top-level keys DeepSpeed 0.19 reads (deepspeed/runtime/config.py and the feature configs it delegates to).
 KNOWN_TOP_LEVEL_KEYS = frozenset({
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
@@ -28,7 +32,7 @@ KNOWN_TOP_LEVEL_KEYS = frozenset({
 })
 # Optimizers that can step on CPU-resident (offloaded) state: DeepSpeed's own CPU kernels.
 CPU_OFFLOAD_OPTIMIZERS = ("DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion")
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+PRECISIONS = modes.DEEPSPEED_MODES  # the Lightning literals DeepSpeedPrecision takes
 
 
 def _zero_schema() -> dict[str, frozenset[str]]:
@@ -138,7 +142,7 @@ def check_precision(precision: str, accelerator: str | None) -> None:
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} with ZeroStrategy, got {precision!r}")
-    if accelerator == "cpu" and precision.startswith("16-"):
+    if accelerator == "cpu" and modes.compute_dtype(precision) == torch.float16:
         raise ValueError(f"precision={precision!r} is not supported by DeepSpeed on the CPU accelerator (it refuses "
                          "fp16 there); use precision=bf16-mixed or precision=32-true, or run on a GPU")
 

@@ -23,12 +23,9 @@ from lit_speed.compat.deepspeed import BatchSizeFromLoader
 from lit_speed.interfaces import find_accumulation_decider
 from lit_speed.strategies.consolidate import check_resume_world_size
 from lit_speed.strategies.ds_accelerator import use_deepspeed_accelerator
-from lit_speed.strategies.memory_estimate import (
-    ZeroMemoryEstimate,
-    estimate_zero_memory,
-    format_bytes,
-    measured_optimizer_state_bytes,
-)
+from lit_speed.memory.model_state import ModelStateBytes, ZeroLayout, model_state_bytes
+from lit_speed.precision import modes
+from lit_speed.strategies.memory_estimate import format_bytes, measured_optimizer_state_bytes
 from lit_speed.strategies.zero_config import (
     PRECISIONS,
     check_offload_optimizer,
@@ -104,7 +101,7 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         self.config = merge_config(self.config, _read_config(config))
         validate_config(self.config)
         self.build_shm_comm = build_shm_comm
-        self._estimate: ZeroMemoryEstimate | None = None
+        self._estimate: ModelStateBytes | None = None
 
     # -- settings derived from the config -------------------------------------------------------------------
     @property
@@ -130,13 +127,13 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         if plugin is not None and not isinstance(plugin, DeepSpeedPrecision):
             literal = getattr(plugin, "precision", None)
-            if literal == "bf16-master":  # DeepSpeed's bf16 is bf16-master: bf16 module, float32 masters in ZeRO
-                literal = "bf16-mixed"
+            if literal in modes.TABLE:  # DeepSpeed's bf16 is bf16-master: bf16 module, float32 masters in ZeRO
+                literal = modes.spec(literal).deepspeed_as
             if literal not in PRECISIONS:
                 raise ValueError(f"ZeroStrategy needs a precision plugin whose .precision is one of {PRECISIONS}, "
                                  f"got {type(plugin).__name__} with precision={literal!r}")
             self._source_precision = plugin
-            guarded = getattr(plugin, "on_nonfinite", None) not in (None, "ignore") and not literal.startswith("16-")
+            guarded = getattr(plugin, "on_nonfinite", None) not in (None, "ignore") and not _fp16(literal)
             plugin = GuardedDeepSpeedPrecision(literal, plugin) if guarded else DeepSpeedPrecision(literal)
         pl_compat.set_precision_plugin(self, plugin)
 
@@ -145,12 +142,12 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         source, literal = self._source_precision, self.precision_plugin.precision
         if source is None:
             return
-        if literal.startswith("16-") and "fp16" not in self.config:
+        if _fp16(literal) and "fp16" not in self.config:
             self.config["fp16"] = fp16_section(getattr(source, "scaler_config", None))
         policy = getattr(source, "on_nonfinite", None)
         if policy in (None, "ignore") or policy in _HONOURED_NONFINITE.get(literal, ()):
             return
-        if literal.startswith("16-"):
+        if _fp16(literal):
             raise ValueError(f"on_nonfinite={policy!r} cannot be honoured by ZeroStrategy with precision={literal!r}:"
                              " DeepSpeed's fp16 loss scaler always skips the step; set on_nonfinite='skip'")
         rank_zero_warn(f"on_nonfinite={policy!r} is not applied under ZeroStrategy with precision={literal!r}: a "
@@ -230,10 +227,13 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     # -- reporting -----------------------------------------------------------------------------------------
-    def memory_estimate(self, num_params: int) -> ZeroMemoryEstimate:
-        """Per-rank bytes of model states for this stage, offload, precision and world size."""
-        return estimate_zero_memory(num_params, self.stage, self.world_size, self.precision_plugin.precision,
-                                    self.offload_optimizer, self.offload_parameters)
+    def memory_estimate(self, num_params: int, stage: int | None = None) -> ModelStateBytes:
+        """Per-rank bytes of model states for this stage (or ``stage``: 0 for DeepSpeed without ZeRO, on one rank),
+        offload, precision and world size."""
+        if stage is not None:
+            return model_state_bytes(num_params, self.precision_plugin.precision, 2, ZeroLayout(stage, deepspeed=True))
+        layout = ZeroLayout(self.stage, self.offload_optimizer, self.offload_parameters, deepspeed=True)
+        return model_state_bytes(num_params, self.precision_plugin.precision, 2, layout, self.world_size)
 
     def _log_estimate(self) -> None:
         module = self.lightning_module
@@ -241,9 +241,9 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
             return
         n = sum(p.numel() for p in module.parameters() if p.requires_grad)
         self._estimate = est = self.memory_estimate(n)
-        rank_zero_info(f"ZeRO-{self.stage} model states per rank: params {format_bytes(est.params_bytes)}, grads "
-                       f"{format_bytes(est.grads_bytes)}, optimizer {format_bytes(est.optimizer_bytes)} "
-                       f"({format_bytes(est.offloaded_bytes)} in host RAM)")
+        rank_zero_info(f"ZeRO-{self.stage} model states per rank: params {format_bytes(est.params)}, grads "
+                       f"{format_bytes(est.grads)}, optimizer {format_bytes(est.optimizer)} "
+                       f"({format_bytes(est.host)} in host RAM)")
 
     def describe(self, model: torch.nn.Module | None = None) -> dict[str, str]:
         """Rows for the start-up table: stage/offload and the per-rank model-state estimate vs plain DDP."""
@@ -254,24 +254,24 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         model = model if model is not None else self.lightning_module
         if model is not None:
             n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            est, ddp = self.memory_estimate(n), estimate_zero_memory(n, 0, 1, self.precision_plugin.precision)
+            est, ddp = self.memory_estimate(n), self.memory_estimate(n, stage=0)
             rows["zero model states / rank"] = (
-                f"params {format_bytes(est.params_bytes)} + grads {format_bytes(est.grads_bytes)} + optimizer "
-                f"{format_bytes(est.optimizer_bytes)} = {format_bytes(est.total_bytes)} "
-                f"({format_bytes(est.offloaded_bytes)} in host RAM; DDP: {format_bytes(ddp.total_bytes)})")
+                f"params {format_bytes(est.params)} + grads {format_bytes(est.grads)} + optimizer "
+                f"{format_bytes(est.optimizer)} = {format_bytes(est.total)} "
+                f"({format_bytes(est.host)} in host RAM; DDP: {format_bytes(ddp.total)})")
         else:
-            est, ddp = self.memory_estimate(1_000_000), estimate_zero_memory(1_000_000, 0, 1,
-                                                                             self.precision_plugin.precision)
-            rows["zero model states / rank"] = (f"{est.total_bytes / 1e6:.2f} bytes/param "
-                                                f"({est.offloaded_bytes / 1e6:.2f} in host RAM; DDP: "
-                                                f"{ddp.total_bytes / 1e6:.2f})")
+            est, ddp = self.memory_estimate(1_000_000), self.memory_estimate(1_000_000, stage=0)
+            rows["zero model states / rank"] = (f"{est.total / 1e6:.2f} bytes/param "
+                                                f"({est.host / 1e6:.2f} in host RAM; DDP: "
+                                                f"{ddp.total / 1e6:.2f})")
         if self._source_precision is not None:
             source = getattr(self._source_precision, "precision", "")
             rows["zero precision"] = (f"{type(self._source_precision).__name__} -> DeepSpeed "
                                       f"{self.precision_plugin.precision}" + (
                                           " (DeepSpeed's bf16: a bf16 module with float32 master weights and optimizer "
                                           "state in the ZeRO optimizer, i.e. bf16-master)"
-                                          if source == "bf16-master" else ""))
+                                          if source in modes.TABLE and modes.spec(source).master_weights
+                                          else ""))
         return rows
 
     def final_summary(self) -> dict[str, Any]:
@@ -279,7 +279,7 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         summary: dict[str, Any] = {"stage": self.stage, "offload_optimizer": self.offload_optimizer,
                                    "offload_parameters": self.offload_parameters, "world_size": self.world_size}
         if self._estimate is not None:
-            summary["estimated_optimizer_state_bytes_per_rank"] = self._estimate.optimizer_bytes
+            summary["estimated_optimizer_state_bytes_per_rank"] = self._estimate.optimizer
         if self.optimizers:
             summary["measured_optimizer_state_bytes_rank0"] = measured_optimizer_state_bytes(self.optimizers[0])
         engine = self.model
@@ -287,6 +287,11 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
             summary["skipped_steps"] = int(engine.skipped_steps)
             summary["gradient_accumulation_steps"] = int(engine.gradient_accumulation_steps())
         return summary
+
+
+def _fp16(literal: str) -> bool:
+    """DeepSpeed runs ``literal`` in fp16 (its own loss scaler, refused on the CPU accelerator)."""
+    return modes.compute_dtype(literal) == torch.float16
 
 
 def set_accumulation(engine: Any, factor: int) -> None:

@@ -7,7 +7,9 @@ import torch
 from lit_speed.monitoring.device_stats_logger import interval_metrics
 from lit_speed.monitoring.diagnosis import (HEADROOM_GROW_FRAC, HEADROOM_TIGHT_FRAC, INPUT_BOUND_FRAC,
                                             OPTIMIZER_BOUND_FRAC, RunStats, diagnose, verdict_rows)
-from lit_speed.monitoring.flops import (FlopCount, compute_dtype, contains_compiled, gpu_peak_flops,
+from lit_speed import GuardedPrecision
+from lit_speed.precision.modes import compute_dtype
+from lit_speed.monitoring.flops import (FlopCount, contains_compiled, gpu_peak_flops,
                                        measure_cpu_peak_flops)
 from lit_speed.monitoring.samplers import summarize_gpu_samples
 from lit_speed.monitoring.step_timer import StepTimer, TimeSplit, attribute
@@ -159,10 +161,12 @@ def test_flop_count_matches_linear_formula():
 
 
 def test_compute_dtype_follows_lightning_precision():
-    assert compute_dtype("32-true", "cpu") is torch.float32
-    assert compute_dtype("bf16-mixed", "cuda") is torch.bfloat16
-    assert compute_dtype("16-mixed", "cuda") is torch.float16
-    assert compute_dtype("16-mixed", "cpu") is torch.bfloat16  # Lightning runs 16-mixed as bf16 autocast on CPU
+    assert compute_dtype("32-true") is torch.float32
+    assert compute_dtype("bf16-mixed") is torch.bfloat16
+    assert compute_dtype("16-mixed") is torch.float16
+    # issue 25: on CPU a plugin that says 16-mixed runs fp16 autocast (GuardedPrecision does; Lightning's Trainer turns
+    # precision="16-mixed" on CPU into a "bf16-mixed" plugin), so MFU's CPU peak is fp16's, as for the slowness probe
+    assert compute_dtype("16-mixed") is GuardedPrecision("16-mixed")._spec.autocast_dtype is torch.float16
 
 
 def test_gpu_peak_table_matches_most_specific_name_first():

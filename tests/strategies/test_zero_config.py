@@ -10,11 +10,8 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from lit_speed.strategies.memory_estimate import (  # noqa: E402
-    estimate_zero_memory,
-    format_bytes,
-    measured_optimizer_state_bytes,
-)
+from lit_speed.memory.model_state import ZeroLayout, model_state_bytes  # noqa: E402
+from lit_speed.strategies.memory_estimate import format_bytes, measured_optimizer_state_bytes  # noqa: E402
 from lit_speed.strategies.zero_config import (  # noqa: E402
     check_offload_optimizer,
     check_precision,
@@ -25,26 +22,33 @@ from lit_speed.strategies.zero_config import (  # noqa: E402
 from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402
 
 
-# -- memory estimate: DeepSpeed's formulas -------------------------------------------------------------------
+# -- memory estimate: DeepSpeed's formulas (the one calculator, lit_speed.memory.model_state) ----------------------
+def estimate_zero_memory(n: int, stage: int, world_size: int = 1, precision: str = "32-true",
+                         offload_optimizer: bool = False, offload_parameters: bool = False):
+    """Adam's states as a DeepSpeed engine holds them (stage 0: DeepSpeed without ZeRO, the DDP row)."""
+    layout = ZeroLayout(stage, offload_optimizer, offload_parameters, deepspeed=True)
+    return model_state_bytes(n, precision, 2, layout, world_size)
+
+
 @pytest.mark.parametrize("precision, weight, optim", [("32-true", 4, 8), ("bf16-mixed", 2, 12)])
 def test_estimate_follows_the_zero_paper(precision: str, weight: int, optim: int) -> None:
     n, world = 1_000_000, 4
     ddp = estimate_zero_memory(n, 0, world, precision)
-    assert (ddp.params_bytes, ddp.grads_bytes, ddp.optimizer_bytes) == (weight * n, weight * n, optim * n)
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (weight * n, weight * n, optim * n)
     s1, s2, s3 = (estimate_zero_memory(n, s, world, precision) for s in (1, 2, 3))
-    assert s1.optimizer_bytes == optim * n // world and s1.grads_bytes == weight * n
-    assert s2.grads_bytes == weight * n // world and s2.params_bytes == weight * n
-    assert s3.params_bytes == weight * n // world
-    assert ddp.total_bytes > s1.total_bytes > s2.total_bytes > s3.total_bytes
+    assert s1.optimizer == optim * n // world and s1.grads == weight * n
+    assert s2.grads == weight * n // world and s2.params == weight * n
+    assert s3.params == weight * n // world
+    assert ddp.total > s1.total > s2.total > s3.total
 
 
 def test_estimate_offload_moves_states_to_host() -> None:
     n = 1000
     est = estimate_zero_memory(n, 3, 2, "bf16-mixed", offload_optimizer=True, offload_parameters=True)
-    assert est.offloaded_bytes == est.optimizer_bytes + est.params_bytes
-    assert est.device_bytes == est.grads_bytes
+    assert est.host == est.optimizer + est.params
+    assert est.device == est.grads
     # parameter offload means nothing below stage 3 (ZeRO keeps full weights on every rank there)
-    assert estimate_zero_memory(n, 2, 2, offload_parameters=True).offloaded_bytes == 0
+    assert estimate_zero_memory(n, 2, 2, offload_parameters=True).host == 0
 
 
 def test_estimate_rejects_bad_input() -> None:
