@@ -74,7 +74,8 @@ def overrides_for(workload: str, variant: str) -> list[str]:
 
 def available(overrides: list[str]) -> str | None:
     """None when the config composes, else the reason (a component not landed yet, a bad override)."""
-    from lit_speed.config_check import ConfigError, preflight
+    from lit_speed.run.config_check import preflight
+    from lit_speed.run.config_error import ConfigError
 
     try:
         preflight(overrides)

@@ -38,7 +38,7 @@ def model_and_batch(experiment: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"experiment={experiment}", "logger=none"])
     pl.seed_everything(cfg.seed)
-    datamodule = hydra.utils.instantiate(cfg.data)  # as lit_speed.runner.build does, without the Trainer
+    datamodule = hydra.utils.instantiate(cfg.data)  # as lit_speed.run.runner.build does, without the Trainer
     model = hydra.utils.instantiate(cfg.model, optimizer=hydra.utils.instantiate(cfg.optimizer))
     datamodule.prepare_data()
     datamodule.setup("fit")

@@ -25,7 +25,7 @@ _EXPORTS = {
     "ActivationCheckpointing": "lit_speed.memory.activation_checkpointing",
     "CompileModel": "lit_speed.memory.compile_model",
     "plan": "lit_speed.memory.planner",
-    "RunSummary": "lit_speed.run_summary",
+    "RunSummary": "lit_speed.run.run_summary",
     "AtomicCheckpointIO": "lit_speed.checkpointing.atomic_checkpoint_io",
     "FaultTolerance": "lit_speed.checkpointing.fault_tolerance",
     "DigitsDataModule": "lit_speed.data.digits",

@@ -18,7 +18,6 @@ through the public names of ``lit_speed/__init__.py`` or one of these shared mod
   end-of-run summaries, workload extras).
 * ``lit_speed.compat`` (package) - every access to a private Lightning/DeepSpeed/torch name.
 * ``lit_speed.tables`` - the start-up and end-of-run tables.
-* ``lit_speed.run_summary`` - the run summary callback and its batch-size and peak-memory helpers.
 * ``lit_speed.step_logging`` - cheap per-step ``self.log`` of changing values.
 * ``lit_speed.oom`` - recognising out-of-memory errors on any device.
 * ``lit_speed.data.pipeline`` - the loader building blocks every DataModule uses (curriculum's included).

@@ -1,6 +1,6 @@
 """What a component may report to the runner: the declared contract behind the start-up table and ``summary.json``.
 
-Every protocol here is optional and ``runtime_checkable``: :mod:`lit_speed.runner` asks ``isinstance(part,
+Every protocol here is optional and ``runtime_checkable``: :mod:`lit_speed.run.runner` asks ``isinstance(part,
 StartupReport)`` and the like, and an object that implements none of them is simply not reported. Components
 never import the runner, and the runner holds no code for a particular workload or component: a component that
 wants a row, a summary entry or an end-of-run number implements the matching protocol.
@@ -11,7 +11,7 @@ Who reports what (checked by ``tests/runner/test_run_contract.py``):
 - :class:`SummaryReport` (``final_summary()``): GuardedPrecision (and its ZeRO form), ZeroStrategy and the
   callbacks; stored under ``summary.json["components"][<class name>]``.
 - :class:`AccumulationReport` (``current_factor``, ``factors``): AccumulationScheduler; the runner shows the
-  factor in the effective-batch row and :class:`~lit_speed.run_plan_check.RunPlanCheck` checks the largest one.
+  factor in the effective-batch row and :class:`~lit_speed.run.run_plan_check.RunPlanCheck` checks the largest one.
 - :class:`WorkloadReport` (``summary_extras()``): a workload's own reference numbers (CharLMDataModule's unigram
   baseline), stored at the top level of ``summary.json`` and shown in the end-of-run table.
 - :class:`MonitoredModel` (``monitor``, ``monitor_mode``): the metric a model logs, the default of the
@@ -21,7 +21,7 @@ Who reports what (checked by ``tests/runner/test_run_contract.py``):
 - :class:`EndOfRunReport` (``end_rows()``): rows for the end-of-run table (DeviceStatsLogger: throughput and MFU).
 - :class:`BatchSource` (``batch_kind``) and :class:`BatchConsumer` (``accepted_batch_kinds``): what a DataModule
   yields and what a model's ``training_step`` takes, class attributes read before anything is built
-  (``lit_speed.run_checks.check_data_model`` refuses a pair that does not fit; a class that declares nothing is
+  (``lit_speed.run.run_checks.check_data_model`` refuses a pair that does not fit; a class that declares nothing is
   not checked).
 - :class:`ModelPreparer` (``prepare_model(model)``): a callback that changes the model before training (InitWeights
   loads weights, PEFTAdapters adds adapters and freezes the base); the runner calls it, in callback order, right
@@ -118,7 +118,7 @@ class MonitorFollower(Protocol):
 
     ``follow_monitor(monitor, mode)`` is called once, at the end of the first validation, when neither the config
     nor the model named a metric and the runner chose one from the logged metrics
-    (:func:`lit_speed.run_monitor.choose_monitor`); a callback that already follows one keeps it.
+    (:func:`lit_speed.run.run_monitor.choose_monitor`); a callback that already follows one keeps it.
     """
 
     def follow_monitor(self, monitor: str, mode: str) -> None:

@@ -48,7 +48,9 @@ def main(argv: list[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from lit_speed.config_check import ConfigError, preflight
+    from lit_speed.run.config_check import preflight
+
+    from lit_speed.run.config_error import ConfigError
     from lit_speed.memory.compile_model import repeated_block_types
     from lit_speed.memory.planner import plan
 

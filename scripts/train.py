@@ -15,7 +15,9 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from lit_speed.config_check import ConfigError, preflight  # noqa: E402
+from lit_speed.run.config_check import preflight  # noqa: E402
+
+from lit_speed.run.config_error import ConfigError  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -23,8 +25,8 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from lit_speed.config_error import RunStopped
-    from lit_speed.runner import optimized_metric, train
+    from lit_speed.run.config_error import RunStopped
+    from lit_speed.run.runner import optimized_metric, train
 
     try:
         summary = train(cfg)
@@ -44,7 +46,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    from lit_speed.launch_env import share_run_time
+    from lit_speed.run.launch_env import share_run_time
 
     share_run_time()  # under torchrun: one run folder for all ranks (rank 0's time stamp)
     try:

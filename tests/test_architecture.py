@@ -6,7 +6,9 @@
    past the classes in between (``Parent.method(self)``), and no override of a library class's private method.
 2. The import graph (module-level and function-level imports) has no cycle, and a component package
    (``lit_speed/<component>/``) imports another only through the public names of ``lit_speed/__init__.py`` or
-   one of the :data:`SHARED_MODULES` (documented in :mod:`lit_speed.interfaces`).
+   one of the :data:`SHARED_MODULES` (documented in :mod:`lit_speed.interfaces`). The runner (:data:`TOP_PACKAGE`)
+   composes every component; nothing else imports it. ``lit_speed/`` itself holds only ``__init__.py`` and shared
+   modules.
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ SHARED_MODULES = (
     "lit_speed.run_contract",  # the protocols components report to the runner through
     "lit_speed.compat",       # the one door to private Lightning/DeepSpeed/torch names (a package)
     "lit_speed.tables",       # start-up and end-of-run tables
-    "lit_speed.run_summary",  # the run summary and its batch-size / peak-memory helpers
     "lit_speed.step_logging",  # cheap per-step self.log of changing values
     "lit_speed.oom",          # out-of-memory errors in all their disguises
     "lit_speed.data.pipeline",  # loader building blocks every DataModule uses
@@ -36,6 +37,9 @@ SHARED_MODULES = (
     "lit_speed.precision.modes",  # the precision-mode table: one ModeSpec per mode, asked instead of literals
     "lit_speed.memory.model_state",  # the one model-state memory calculator (planner and ZeroStrategy)
 )
+
+#: The top floor: the Hydra runner, which composes every component (it may import any); no other module imports it.
+TOP_PACKAGE = "lit_speed.run"
 
 #: Underscore names that are public API of their owner, not private access. Names of the form ``_name_``
 #: ("sunder") are public too: reserved hook and key names such as Enum's ``_generate_next_value_`` and Hydra's
@@ -291,14 +295,24 @@ def _is_shared(name: str, package: str = "lit_speed") -> bool:
     return name == package or any(name == s or name.startswith(s + ".") for s in _shared(package))
 
 
+def _in_top(name: str, package: str = "lit_speed") -> bool:
+    top = TOP_PACKAGE.replace("lit_speed", package, 1)
+    return name == top or name.startswith(top + ".")
+
+
 def layering_violations(graph: dict[str, set[str]], package: str = "lit_speed") -> list[str]:
     """Imports of one component package by another, and of a component by a shared module (use a graph of the
     imports named in the source: importing a shared module runs its package's ``__init__``, which is allowed)."""
     found = []
     for name, targets in sorted(graph.items()):
+        if _in_top(name, package):  # the runner composes the components: it may import any of them
+            continue
         own = _component(name, graph, package)
         shared = _is_shared(name, package) and name != package
         for target in sorted(targets):
+            if _in_top(target, package):
+                found.append(f"{name} imports {target} (the runner: components report to it through run_contract)")
+                continue
             if _is_shared(target, package) or (own is not None and _component(target, graph, package) == own):
                 continue
             if own is not None or shared:
@@ -324,6 +338,13 @@ def test_names_imported_from_lit_speed_itself_are_public() -> None:
                 assert {a.name for a in node.names} <= exported, f"{name}: {ast.unparse(node)}"
 
 
+def test_the_package_root_holds_only_its_face_and_shared_modules() -> None:
+    loose = sorted(f"lit_speed.{p.stem}" for p in ROOT.glob("*.py") if p.name != "__init__.py")
+    assert [m for m in loose if m not in SHARED_MODULES] == [], (
+        "a module at lit_speed/'s root is neither the package face nor a shared module: move it into the component "
+        "package it belongs to (the runner's into lit_speed/run/), or declare it shared")
+
+
 def test_shared_modules_exist_and_are_documented() -> None:
     modules = _modules()
     documented = importlib.import_module("lit_speed.interfaces").__doc__
@@ -341,6 +362,9 @@ def synthetic_package(tmp_path: Path) -> Path:
         "alpha/core.py": "from pkg.beta.core import B\nfrom pkg import tables\n",
         "beta/__init__.py": "",
         "beta/core.py": "def late():\n    from pkg.alpha import core\n",
+        "run/__init__.py": "",
+        "run/runner.py": "from pkg.alpha.core import A\nfrom pkg.beta import core\n",
+        "run/checks.py": "from pkg.run import runner\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -354,6 +378,14 @@ def test_the_graph_checks_report_a_cycle_and_a_cross_component_import(synthetic_
     assert cycles(graph) == [["pkg.alpha", "pkg.alpha.core", "pkg.beta.core"]]
     violations = layering_violations(import_graph(synthetic_package, "pkg", with_packages=False), "pkg")
     assert violations == ["pkg.alpha.core imports pkg.beta.core", "pkg.beta.core imports pkg.alpha.core"]
+
+
+def test_the_runner_may_import_every_component_and_nothing_imports_it(synthetic_package: Path) -> None:
+    (synthetic_package / "beta" / "late.py").write_text("from pkg.run.runner import train\n")
+    violations = layering_violations(import_graph(synthetic_package, "pkg", with_packages=False), "pkg")
+    assert not [v for v in violations if v.startswith("pkg.run")]  # the runner imports alpha and beta freely
+    assert "pkg.beta.late imports pkg.run.runner (the runner: components report to it through run_contract)" \
+        in violations
 
 
 # ---------------------------------------------------------------------------------------------- 3. one home per fact

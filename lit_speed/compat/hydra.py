@@ -1,6 +1,6 @@
 """Hydra's command-line flags and config search path, built as ``@hydra.main`` builds them (hydra-core 1.3.8).
 
-``scripts/train.py`` checks a command line before ``@hydra.main`` runs (:func:`lit_speed.config_check.preflight`),
+``scripts/train.py`` checks a command line before ``@hydra.main`` runs (:func:`lit_speed.run.config_check.preflight`),
 so it must compose from the same folders Hydra will: the main config folder (``--config-path`` or the decorator's
 ``config_path``), ``--config-dir``, and any ``hydra.searchpath`` entries. Hydra builds that search path in
 ``hydra._internal.utils._run_hydra`` from private helpers; the ones used here are the same, each named below

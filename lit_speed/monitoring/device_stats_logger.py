@@ -15,9 +15,8 @@ from typing_extensions import override
 
 from lit_speed.monitoring.diagnosis import RunStats, diagnose, format_compute, verdict_rows
 from lit_speed.monitoring.flops import FlopCount, contains_compiled, gpu_peak_flops, measure_cpu_peak_flops
-from lit_speed.monitoring.samplers import HostStats, NvmlSampler, summarize_gpu_samples
+from lit_speed.monitoring.samplers import HostStats, NvmlSampler, batch_size_and_tokens, summarize_gpu_samples
 from lit_speed.monitoring.step_timer import StepTimer, TimeSplit
-from lit_speed.run_summary import batch_size_and_tokens
 from lit_speed.precision.modes import compute_dtype
 from lit_speed.tables import print_table
 

@@ -6,7 +6,7 @@ Plain functions on folders and dicts, usable without Hydra or Lightning::
     write_report("logs/train/multiruns/2026-11-22_01-00-00")
 
 Each job folder (``<sweep>/<n>/``) holds ``.hydra/overrides.yaml`` and, when the job finished,
-``summary.json`` (written by :func:`lit_speed.runner.train`). A job without ``summary.json`` is a
+``summary.json`` (written by :func:`lit_speed.run.runner.train`). A job without ``summary.json`` is a
 failed (or unfinished) job and still gets a row, so a sweep never hides its failures.
 """
 from __future__ import annotations

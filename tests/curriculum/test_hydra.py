@@ -1,7 +1,7 @@
 """The Hydra options compose into a run: data=digits_curriculum + callbacks=[curriculum_early_stopping], through train()."""
 import json
 
-from lit_speed.runner import train
+from lit_speed.run.runner import train
 
 
 def test_digits_curriculum_with_early_stopping_runs_and_reports_its_stop(make_cfg, tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from lit_speed.data.text_folder import TextFolderDataModule, build_token_corpus
 from lit_speed.models.hf_causal_lm import HFCausalLM
-from lit_speed.runner import train
+from lit_speed.run.runner import train
 from tests.helpers.fault_scripts.runs import explain
 from tests.helpers.fault_scripts.runs import train as run_script
 from tests.helpers.tiny_hf import STDLIB, save_tiny_causal_lm, tiny_tokenizer
@@ -105,7 +105,7 @@ def test_full_fine_tuning_of_an_hf_model_with_activation_checkpointing_by_block_
 
 
 def test_a_model_folder_that_does_not_exist_is_one_line(make_cfg, tmp_path, texts):
-    from lit_speed.config_check import ConfigError
+    from lit_speed.run.config_error import ConfigError
 
     with pytest.raises(ConfigError, match=r"model\.pretrained=.*HFCausalLM\(pretrained=.*nowhere\): not a local folder"):
         train(make_cfg(_run(tmp_path / "nowhere", texts)))

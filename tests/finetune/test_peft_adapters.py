@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from lit_speed.config_check import ConfigError
+from lit_speed.run.config_error import ConfigError
 from lit_speed.finetune.adapters import add_adapters, module_names_matching, parameter_counts
 from lit_speed.finetune.export import export_merged
 from lit_speed.finetune.peft_adapters import PEFTAdapters
 from lit_speed.models.gpt import GPTModule
-from lit_speed.runner import train
+from lit_speed.run.runner import train
 
 SIZES = {"vocab_size": 97, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 # a tiny charlm GPT run through the Hydra entry (in process): 12 optimizer steps, a checkpoint at the end
@@ -81,7 +81,7 @@ def _frozen(model: nn.Module) -> dict[str, torch.Tensor]:
                                    ["callbacks=[model_checkpoint,activation_checkpointing]"]],
                          ids=["32-true", "bf16-master", "bf16-mixed", "accumulation", "activation_checkpointing"])
 def test_lora_on_the_bundled_gpt_trains_adapters_only_and_checkpoints_them(make_cfg, tmp_path, extra):
-    from lit_speed.runner import build
+    from lit_speed.run.runner import build
 
     cfg = make_cfg([*GPT_RUN, "peft=lora", "peft.r=4", *extra])
     base = _frozen(build(cfg)["model"])  # the seeded build: the same start train() makes

@@ -5,11 +5,11 @@ import pytest
 import torch
 from safetensors.torch import save_model
 
-from lit_speed.config_check import ConfigError
+from lit_speed.run.config_error import ConfigError
 from lit_speed.finetune.init_weights import InitWeights
 from lit_speed.finetune.weights import load_weights, read_state_dict
 from lit_speed.models.gpt import GPTModule
-from lit_speed.runner import build, train
+from lit_speed.run.runner import build, train
 from tests.helpers.tiny_hf import save_tiny_causal_lm
 
 SIZES = {"vocab_size": 97, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}

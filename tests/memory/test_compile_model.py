@@ -80,7 +80,7 @@ def test_checkpoints_load_both_ways_with_identical_outputs(tmp_path, backend, at
 def test_compile_yaml_keys_match_the_constructor():
     import hydra
 
-    from lit_speed.config_check import preflight
+    from lit_speed.run.config_check import preflight
 
     cfg = preflight(["callbacks=[default,compile]", "callbacks.compile.regional=false"])
     callback = hydra.utils.instantiate(cfg.callbacks.compile)

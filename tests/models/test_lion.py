@@ -63,7 +63,7 @@ def test_errors():
 def test_lion_yaml_builds_the_optimizer():
     import hydra
 
-    from lit_speed.config_check import preflight
+    from lit_speed.run.config_check import preflight
 
     cfg = preflight(["optimizer=lion", "optimizer.lr=0.0003"])
     optimizer = hydra.utils.instantiate(cfg.optimizer)([torch.zeros(2, requires_grad=True)])

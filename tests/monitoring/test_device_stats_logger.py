@@ -245,7 +245,7 @@ def test_yaml_keys_are_the_constructor_arguments():
 
 
 def test_default_config_runs_it_and_writes_the_verdict(make_cfg, tmp_path):
-    from lit_speed.runner import train
+    from lit_speed.run.runner import train
 
     cfg = make_cfg(["trainer.max_epochs=1", "trainer.limit_train_batches=6", "trainer.limit_val_batches=1",
                     "trainer.log_every_n_steps=2", "trainer.enable_progress_bar=false", "validate=false"])

@@ -272,7 +272,7 @@ def test_a_plain_trainer_and_the_hydra_runner_log_the_same_measured_decision(
     """The issue-24 door check, timed for real (no stand-in timings): ``Trainer(plugins=[GuardedPrecision("auto")])``
     and ``scripts/train.py precision=auto`` both time the model's own step on its first training batch and log one
     decision line of the same form, with the three step times; neither falls back to the matmul probe."""
-    from lit_speed.runner import train
+    from lit_speed.run.runner import train
 
     line = re.compile(r"^GuardedPrecision: precision=auto -> (32-true|bf16-master|bf16-mixed) \(.*timed this model's "
                       r"step on one micro-batch: 32-true [\d.]+ ms, bf16-master [\d.]+ ms, bf16-mixed [\d.]+ ms\)$")

@@ -203,7 +203,7 @@ def test_resume_after_fallback_continues_in_the_fallen_back_mode_and_ends_where_
 
 
 def test_every_hydra_option_builds_the_plugin() -> None:
-    from lit_speed.config_check import group_options, preflight
+    from lit_speed.run.config_check import group_options, preflight
 
     assert set(group_options("precision")) >= {"32-true", "bf16-mixed", "16-mixed", "bf16-true", "auto"}
     for option in group_options("precision"):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lit_speed.run_checks import RENAMED_CALLBACKS, check_config, warn_renamed_options
-from lit_speed.runner import build
+from lit_speed.run.run_checks import RENAMED_CALLBACKS, check_config, warn_renamed_options
+from lit_speed.run.runner import build
 from tests.helpers.repo import CONF
 
 # groups whose options are whole components; hydra/ and paths/ are Hydra plumbing, tested through every compose

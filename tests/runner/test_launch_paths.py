@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_speed.launch_env import RUN_TIME_ENV
+from lit_speed.run.launch_env import RUN_TIME_ENV
 from tests.helpers.repo import ROOT, run_train_script
 
 TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2", "logger=none",

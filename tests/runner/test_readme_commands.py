@@ -1,7 +1,7 @@
 """Every ``python scripts/train.py ...`` command the README shows composes and passes the pre-flight checks.
 
 The README is the user's first contact: a command there that no longer composes (a renamed option, a moved
-key) is a broken promise. Each command is run through :func:`lit_speed.config_check.preflight`, the same
+key) is a broken promise. Each command is run through :func:`lit_speed.run.config_check.preflight`, the same
 composition and checks ``scripts/train.py`` does before anything is built (no training). The commands the
 README shows failing (``$ python scripts/train.py precision=fp8`` followed by its ``Config error: ...``) must
 fail with the message printed under them.
@@ -13,7 +13,9 @@ import shlex
 
 import pytest
 
-from lit_speed.config_check import ConfigError, preflight
+from lit_speed.run.config_check import preflight
+
+from lit_speed.run.config_error import ConfigError
 from tests.helpers.repo import ROOT
 
 README = (ROOT / "README.md").read_text()

@@ -17,7 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lit_speed import AccumulationScheduler, GuardedPrecision
-from lit_speed.config_check import preflight
+from lit_speed.run.config_check import preflight
 from lit_speed.data.charlm import CharLMDataModule
 from lit_speed.data.digits import DigitsDataModule
 from tests.helpers.repo import CONF, ROOT

@@ -27,8 +27,8 @@ from lit_speed.reporting.fixed_validation import FixedValidationClock
 from lit_speed.reporting.time_to_target import TimeToTarget
 from lit_speed.run_contract import (AccumulationReport, ModelPreparer, MonitoredModel, StartupReport, SummaryExtra,
                                     SummaryReport, WorkloadReport, startup_rows_of)
-from lit_speed.run_plan_check import largest_accumulation_factor
-from lit_speed.runner import _accumulation_factor, build, component_summaries, workload_extras
+from lit_speed.run.run_plan_check import largest_accumulation_factor
+from lit_speed.run.runner import _accumulation_factor, build, component_summaries, workload_extras
 from lit_speed.strategies.zero_strategy import ZeroStrategy
 
 STARTUP_REPORTERS = [DigitsDataModule, CharLMDataModule, CurriculumDataModule, GuardedPrecision, ZeroStrategy,
@@ -112,8 +112,8 @@ def test_build_does_not_change_the_config_it_is_given(make_cfg):
 
 
 def test_runner_prefixes_a_component_refusal_with_its_config_path(make_cfg):
-    from lit_speed.config_check import ConfigError
-    from lit_speed.runner import config_paths, train, with_config_path
+    from lit_speed.run.config_error import ConfigError
+    from lit_speed.run.runner import config_paths, train, with_config_path
 
     cfg = make_cfg(["accumulation=fixed", "accumulation.micro_batch=0", "logger=none"])
     assert config_paths(cfg)["AccumulationScheduler"] == "accumulation"

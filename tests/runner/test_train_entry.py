@@ -5,8 +5,10 @@ import json
 
 import pytest
 
-from lit_speed.config_check import ConfigError, preflight
-from lit_speed.runner import train
+from lit_speed.run.config_check import preflight
+
+from lit_speed.run.config_error import ConfigError
+from lit_speed.run.runner import train
 from tests.helpers.repo import CONF, run_train_script
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_speed.launch_env import RUN_TIME_ENV
+from lit_speed.run.launch_env import RUN_TIME_ENV
 from tests.helpers.repo import ROOT
 
 README = (ROOT / "README.md").read_text()

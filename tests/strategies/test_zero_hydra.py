@@ -11,7 +11,7 @@ import yaml
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from lit_speed.runner import train  # noqa: E402
+from lit_speed.run.runner import train  # noqa: E402
 from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,8 +18,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_speed.compat.hydra import initialized_like_main, parse_command_line
-from lit_speed.config_error import ConfigError  # re-exported: scripts import it from here
-from lit_speed.config_targets import CONFIG_DIR, ROOT, config_folders, group_options  # noqa: F401 - re-exported
+from lit_speed.run.config_error import ConfigError
+from lit_speed.run.config_targets import CONFIG_DIR, ROOT, config_folders, group_options
 
 ENTRY = ROOT / "scripts" / "train.py"  # declares @hydra.main(config_path="../conf", config_name="train")
 
@@ -212,8 +212,8 @@ def preflight(argv: Sequence[str], config_name: str = "train", config_dir: Path 
 
 def _compose_checked(config_name: str, overrides: list[str], firsts: list[str], searchpath: list[str]) -> DictConfig:
     """Compose (Hydra initialised), check, and on failure blame the first override whose removal composes."""
-    from lit_speed.run_checks import check_config  # imported on use: it loads torch
-    from lit_speed.config_targets import check_optimizer_choice, check_targets
+    from lit_speed.run.run_checks import check_config  # imported on use: it loads torch
+    from lit_speed.run.config_targets import check_optimizer_choice, check_targets
 
     def composed(chosen: list[str]) -> DictConfig:
         return compose(config_name=config_name, overrides=chosen + searchpath, return_hydra_config=True)

@@ -15,9 +15,9 @@ from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lit_speed.config_error import ConfigError
+from lit_speed.run.config_error import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "conf"  # lit_speed's own config groups
 
 #: Groups whose nodes the runner builds as one ``_target_`` or a dict of them; anything else in them is not built.

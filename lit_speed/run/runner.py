@@ -22,19 +22,19 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from lit_speed.config_check import ConfigError
+from lit_speed.run.config_error import ConfigError
 
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
-from lit_speed.config_error import RunStopped
+from lit_speed.run.config_error import RunStopped
 from lit_speed.run_contract import (AccumulationReport, EndOfRunReport, ModelPreparer, MonitoredModel,
                                     SummaryExtra, SummaryReport, WorkloadReport, startup_rows_of)
-from lit_speed.run_checks import check_activation_memory, check_checkpoint_matches, check_config
-from lit_speed.run_monitor import configured_monitor
-from lit_speed.run_plan_check import RunPlanCheck
-from lit_speed.run_summary import RunSummary
+from lit_speed.run.run_checks import check_activation_memory, check_checkpoint_matches, check_config
+from lit_speed.run.run_monitor import configured_monitor
+from lit_speed.run.run_plan_check import RunPlanCheck
+from lit_speed.run.run_summary import RunSummary
 from lit_speed.tables import print_table
-from lit_speed.config_targets import model_takes_optimizer
+from lit_speed.run.config_targets import model_takes_optimizer
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 :func:`check_config` reads only the config (cheap: it runs before the model, the data or the Trainer exist).
 :func:`check_activation_memory` and :func:`check_checkpoint_matches` need the built model and run before
-``fit``; :class:`~lit_speed.run_plan_check.RunPlanCheck` checks what only the Trainer knows (batches per epoch).
+``fit``; :class:`~lit_speed.run.run_plan_check.RunPlanCheck` checks what only the Trainer knows (batches per epoch).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lit_speed.config_error import ConfigError
+from lit_speed.run.config_error import ConfigError
 
 # callbacks options renamed, old -> new: the old name still composes the same callback under its old key for one release
 RENAMED_CALLBACKS = {"checkpointing": "activation_checkpointing", "early_stopping": "curriculum_early_stopping"}
@@ -35,7 +35,7 @@ def _data_target(data: DictConfig) -> Any:
 def _declared(target: Any, attribute: str) -> Any:
     """``target``'s class attribute ``attribute`` (``batch_kind``, ``accepted_batch_kinds``), imported; ``None``
     when it does not import or declares nothing (the pre-flight reports a target that does not import)."""
-    from lit_speed.config_targets import import_target
+    from lit_speed.run.config_targets import import_target
 
     if not isinstance(target, str):
         return None
@@ -48,7 +48,7 @@ def _declared(target: Any, attribute: str) -> Any:
 def _pair_fixes(kind: str, accepted: tuple[str, ...], folders: Sequence[Path]) -> list[str]:
     """Options that fit: models that take ``kind``, data options that yield one of ``accepted``, and experiments
     that set a fitting data and model pair (``override /data`` and ``override /model`` in their defaults)."""
-    from lit_speed.config_targets import option_targets
+    from lit_speed.run.config_targets import option_targets
 
     models = option_targets("model", folders)
     datas = option_targets("data", folders)
@@ -90,7 +90,7 @@ def check_data_model(cfg: DictConfig, folders: Sequence[Path] = ()) -> None:
     kind, accepted = _declared(data_target, "batch_kind"), _declared(model_target, "accepted_batch_kinds")
     if kind is None or accepted is None or kind in accepted:
         return
-    from lit_speed.config_targets import CONFIG_DIR
+    from lit_speed.run.config_targets import CONFIG_DIR
 
     fixes = _pair_fixes(kind, tuple(accepted), list(folders) or [CONFIG_DIR])
     model_cls = _short(model_target)
@@ -232,7 +232,7 @@ def check_precision_strategy(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig, folders: Sequence[Path] = ()) -> None:
     """Every config-only check; raises :class:`ConfigError` on the first failure, warns on renamed options.
 
-    ``folders``: the config search path's folders (``lit_speed.config_check.config_folders``), for the fixes.
+    ``folders``: the config search path's folders (``lit_speed.run.config_check.config_folders``), for the fixes.
     """
     warn_renamed_options(cfg)
     check_data_model(cfg, folders)  # first: a model without its data also leaves ${data.*} interpolations dangling

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import math
-import resource
-import sys
 import time
 from typing import Any
 
@@ -12,25 +10,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def batch_size_and_tokens(batch: Any) -> tuple[int, int]:
-    """Samples in a batch, and tokens when its first tensor is an integer (B, T) token array (else 0)."""
-    first = batch
-    while isinstance(first, (list, tuple)) and first:
-        first = first[0]
-    if isinstance(batch, dict):
-        first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
-    if not isinstance(first, torch.Tensor) or first.dim() == 0:
-        return 0, 0
-    samples = int(first.shape[0])
-    tokens = int(first.numel()) if first.dim() == 2 and not first.is_floating_point() else 0
-    return samples, tokens
+from lit_speed.monitoring.samplers import batch_size_and_tokens, peak_rss_bytes
 
 
 class RunSummary(Callback):
