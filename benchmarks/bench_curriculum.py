@@ -34,7 +34,7 @@ from lit_speed.data.charlm import CharLMDataModule  # noqa: E402
 from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.gpt import GPTModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
-from lit_speed.models.optim import warmup_cosine  # noqa: E402
+from lit_speed.optim.schedules import warmup_cosine  # noqa: E402
 
 
 def fit(model, dm, stopper, max_steps, val_every, limit_val=1.0) -> dict:

@@ -36,7 +36,7 @@ import torch
 import plain_loop
 from lit_speed.data.charlm import CharLMDataModule
 from lit_speed.models.gpt import GPTModule
-from lit_speed.models.optim import warmup_cosine
+from lit_speed.optim.schedules import warmup_cosine
 from lit_speed.run.run_summary import RunSummary
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=4)

@@ -66,7 +66,7 @@ def child_lightning(seed: int, steps: int, target: float, every_tokens: int, out
 
     from lit_speed.data.charlm import CharLMDataModule
     from lit_speed.models.gpt import GPT
-    from lit_speed.models.optim import param_groups
+    from lit_speed.models.configure_optimizers import param_groups
     from lit_speed.reporting.fixed_validation import FixedValidationClock
 
     class PlainGPT(pl.LightningModule):

@@ -104,8 +104,8 @@ def lit_speed_parts(recipe: dict[str, Any]) -> tuple[Callable[[UserGPT], Any], l
     ``recipe`` is :func:`preset_levers` (the preset's own values).
     """
     from lit_speed import AccumulationScheduler, GuardedPrecision
-    from lit_speed.models.muon import MuonAdamW
-    from lit_speed.models.optim import warmup_stable_decay
+    from lit_speed.optim.muon import MuonAdamW
+    from lit_speed.optim.schedules import warmup_stable_decay
 
     opt = recipe["optimizer"]
 

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from lit_speed.data.charlm import CharLMDataModule
 from lit_speed.models.gpt import GPT
-from lit_speed.models.optim import param_groups, warmup_cosine
+from lit_speed.models.configure_optimizers import param_groups
+from lit_speed.optim.schedules import warmup_cosine
 
 
 @dataclass

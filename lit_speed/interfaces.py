@@ -8,6 +8,9 @@ methods qualifies, so each side also works with a third-party counterpart, or al
   it (``lit_speed.AccumulationScheduler``). Read by ``lit_speed.ZeroStrategy`` to set DeepSpeed's boundary.
 * :class:`AccumulationFollower` - a strategy that keeps its own accumulation state in step with that decision
   (``lit_speed.ZeroStrategy``). ``AccumulationScheduler`` refuses other DeepSpeed strategies.
+* :class:`OptimizerStateCost` - an optimizer that declares the state it keeps per parameter (``lit_speed.Lion``,
+  ``lit_speed.MuonAdamW``, ...). Asked by the memory planner and ``ZeroStrategy`` through
+  ``lit_speed.state_tensors_per_param``, which also knows torch's and DeepSpeed's own optimizers.
 
 Shared modules: a component package (``lit_speed/<component>/``) imports from another component package only
 through the public names of ``lit_speed/__init__.py`` or one of these shared modules
@@ -59,3 +62,13 @@ class AccumulationFollower(Protocol):
 def find_accumulation_decider(callbacks: Iterable[object]) -> Optional[AccumulationDecider]:
     """The first :class:`AccumulationDecider` among ``callbacks``, ``None`` if there is none."""
     return next((c for c in callbacks if isinstance(c, AccumulationDecider)), None)
+
+
+@runtime_checkable
+class OptimizerStateCost(Protocol):
+    """An optimizer that declares how much state it keeps, where it is defined."""
+
+    def state_tensors_per_param(self) -> float:
+        """State tensors per trainable parameter, averaged over the optimizer's groups (Adam 2, Lion 1; a mix of
+        groups gives a fraction); ``step`` counters and other scalars are not counted."""
+        ...

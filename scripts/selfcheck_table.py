@@ -75,7 +75,7 @@ def _strategy(cell: Cell) -> Any:
 
 def _optimizer(cell: Cell) -> Any:
     if cell.offload:  # offloaded optimizer state is stepped on the host: DeepSpeed's CPU Adam
-        from lit_speed.strategies.cpu_adam import CPUAdam
+        from lit_speed.optim.cpu_adam import CPUAdam
 
         return functools.partial(CPUAdam, lr=3e-4, adamw_mode=True)
     return functools.partial(torch.optim.AdamW, lr=3e-4, fused=True)

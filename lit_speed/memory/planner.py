@@ -21,11 +21,12 @@ import shlex
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
+import lit_speed  # the public names: the optimizer's declared state (lit_speed.state_tensors_per_param)
 from lit_speed.compat.torch import tree_map
 from lit_speed.memory.activation_checkpointing import checkpoint_modules, restore_modules
 from lit_speed.memory.memory_tracker import LiveTensorTracker, tensor_bytes
@@ -36,8 +37,6 @@ from lit_speed.precision.modes import BASELINE, PLAN_CANDIDATES, TABLE, spec
 STRATEGY_SPEED = {"auto": 1.0, "ddp": 1.0, "zero1": 1.0, "zero2": 0.95, "zero2_offload": 0.7, "zero3": 0.8,
                   "zero3_offload": 0.5}
 MULTI_PROCESS_EFFICIENCY = 0.9  # assumed data-parallel scaling efficiency per extra process
-# state tensors per parameter kept by each optimizer option in conf/optimizer
-OPTIMIZER_STATES = {"adamw": 2, "adamw_fused": 2, "adamw_base": 2, "cpu_adam": 2, "sgd": 1, "lion": 1}
 
 
 @dataclass(frozen=True)
@@ -181,24 +180,46 @@ def probe(model: nn.Module, batch: Any, precision: str = BASELINE, checkpoint: S
                  _linear_fit(micro_batches, forward_peaks))
 
 
-def optimizer_step_bytes(model: nn.Module, optimizer_factory: Callable[..., torch.optim.Optimizer]) -> int:
-    """Temporary bytes one optimizer step allocates on top of parameters, gradients and state."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    copies = [p.detach().clone().requires_grad_(True) for p in params]
+class OptimizerProbe(NamedTuple):
+    """One optimizer step measured on copies of the parameters."""
+
+    step_bytes: int  # temporaries of one step, on top of parameters, gradients and state
+    states: float    # state tensors per parameter
+    name: str        # the optimizer's class
+    source: str      # "declared" (asked) or "counted after one step"
+
+
+def measure_optimizer(model: nn.Module, optimizer_factory: Callable[..., torch.optim.Optimizer]) -> OptimizerProbe:
+    """Build the optimizer on copies of the trainable parameters (named, for optimizers that split by name) and step
+    it: the temporary bytes one step allocates on top of parameters, gradients and state, the state tensors it keeps
+    per parameter (its own declaration, :func:`lit_speed.state_tensors_per_param`, else counted after the step), and
+    where that number came from."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    copies = [p.detach().clone().requires_grad_(True) for _, p in named]
     for c in copies:
         c.grad = torch.zeros_like(c)
-    optimizer = optimizer_factory(copies)
+    wants_names = getattr(getattr(optimizer_factory, "func", optimizer_factory), "wants_param_names", False)
+    optimizer = optimizer_factory([{"params": copies, "param_names": [n for n, _ in named]}] if wants_names
+                                  else copies)
     optimizer.step()  # creates the state outside the tracker
     with LiveTensorTracker() as tracker:
         optimizer.step()
-    return tracker.peak_bytes
+    name = type(optimizer).__name__
+    declared = lit_speed.state_tensors_per_param(optimizer)
+    if declared is not None:
+        return OptimizerProbe(tracker.peak_bytes, declared, name, "declared")
+    counted = sum(t.numel() for state in optimizer.state.values() for t in state.values()
+                  if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return OptimizerProbe(tracker.peak_bytes, counted / max(sum(c.numel() for c in copies), 1), name,
+                          "counted after one step")
 
 
 def _overrides(precision: str, checkpointing: bool, micro_batch: int, strategy: str, world_size: int,
-               modules: Sequence[str], base: Sequence[str], batch_key: str) -> tuple[str, ...]:
+               modules: Sequence[str], base: Sequence[str], batch_key: str, callbacks: Sequence[str]
+               ) -> tuple[str, ...]:
     out = [*base, f"precision={precision}", f"{batch_key}={micro_batch}"]
     if checkpointing:
-        out += ["callbacks=[default,activation_checkpointing]",
+        out += [f"callbacks=[{','.join([*callbacks, 'activation_checkpointing'])}]",
                 f"callbacks.activation_checkpointing.modules=[{','.join(modules)}]"]
     if strategy != "auto":
         out.append(f"strategy={strategy}")
@@ -209,10 +230,11 @@ def _overrides(precision: str, checkpointing: bool, micro_batch: int, strategy: 
 
 def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_batches: Sequence[int] = (4, 8, 16, 32),
          precisions: Sequence[str] = PLAN_CANDIDATES, checkpoint_modules: Sequence[str] = ("Block",),
-         strategies: Sequence[str] = ("auto",), world_size: int = 1, optimizer: str = "adamw",
+         strategies: Sequence[str] = ("auto",), world_size: int = 1,
          optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None, base_overrides: Sequence[str] = (),
          batch_key: str = "data.batch_size", probe_batches: tuple[int, int] = (2, 4),
-         step_fn: Callable[[nn.Module, Any], torch.Tensor] = default_step) -> Plan:
+         step_fn: Callable[[nn.Module, Any], torch.Tensor] = default_step,
+         callbacks: Sequence[str] = ("default",)) -> Plan:
     """Rank training configurations of ``model`` by predicted peak memory and speed.
 
     Args:
@@ -224,15 +246,17 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
         checkpoint_modules: Submodule types to checkpoint in the "checkpointing" rows; empty = never checkpoint.
         strategies: Options of ``conf/strategy`` to consider.
         world_size: Processes (ZeRO partitions state over them).
-        optimizer: Option of ``conf/optimizer`` (sets optimizer state bytes).
-        optimizer_factory: ``params -> Optimizer`` used to measure one step's temporaries (default AdamW foreach).
+        optimizer_factory: ``params -> Optimizer`` the run trains with (default AdamW foreach): built once on copies,
+            it is asked its state per parameter and one step's temporaries are measured.
         base_overrides: Overrides every row starts with (e.g. ``experiment=charlm_cpu``).
         batch_key: Config key of the micro-batch size.
         probe_batches: The two micro-batch sizes that are measured.
         step_fn: ``(model, batch) -> loss``.
+        callbacks: The ``callbacks`` options a checkpointing row keeps (it adds ``activation_checkpointing``).
 
     Raises:
-        ValueError: Unknown strategy/optimizer, empty candidate lists, or probe sizes not increasing.
+        ValueError: An unknown strategy or precision, an optimizer factory that is not callable, empty candidate
+            lists, or probe sizes not increasing.
 
     Example::
 
@@ -242,8 +266,9 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
         bad = [v for v in values if v not in allowed]
         if bad or not values:
             raise ValueError(f"plan {name} must be a non-empty list from {sorted(allowed)}, got {list(values)}")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    if optimizer_factory is not None and not callable(optimizer_factory):
+        raise ValueError(f"optimizer_factory must be a callable params -> Optimizer (e.g. the optimizer group's "
+                         f"_partial_), or None for AdamW; got {optimizer_factory!r}")
     if not micro_batches or min(micro_batches) < 1:
         raise ValueError(f"micro_batches must be a non-empty list of sizes >= 1, got {list(micro_batches)}")
     if len(probe_batches) != 2 or not 1 <= probe_batches[0] < probe_batches[1]:
@@ -252,7 +277,8 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # a frozen base under adapters
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, foreach=True))
-    step_temp = optimizer_step_bytes(model, factory)
+    measured = measure_optimizer(model, factory)
+    step_temp, states = measured.step_bytes, measured.states
     ckpt_choices = (False, True) if checkpoint_modules else (False,)
     probes = {(p, c): probe(model, batch, p, checkpoint_modules if c else (), probe_batches, step_fn)
               for p in precisions for c in ckpt_choices}
@@ -261,7 +287,7 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
         for mb in micro_batches:
             for strategy in strategies:
                 layout = STRATEGIES[strategy]
-                st = model_state_bytes(n_params, precision, OPTIMIZER_STATES[optimizer], layout, world_size, n_frozen)
+                st = model_state_bytes(n_params, precision, states, layout, world_size, n_frozen)
                 width = spec(precision).param_bytes
                 # the probe's activations include full gradients; ZeRO-2/3 keep only their partition
                 act = pr.activation_bytes(mb) - width * n_params + st.grads
@@ -277,7 +303,7 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
                                     fits=budget_bytes is None or peak <= budget_bytes,
                                     overrides=_overrides(precision, ckpt, mb, strategy, world_size,
                                                          [str(m) for m in checkpoint_modules], base_overrides,
-                                                         batch_key)))
+                                                         batch_key, callbacks)))
     fastest = max(r.samples_per_sec for r in rows)
     rows = [PlanRow(**{**r.__dict__, "relative_speed": r.samples_per_sec / fastest}) for r in rows]
     rows.sort(key=lambda r: (not r.fits, -r.relative_speed, -r.micro_batch))
@@ -285,7 +311,8 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
     notes = [f"{counted}; probes at micro-batch {probe_batches[0]} and {probe_batches[1]} on "
              f"{next(model.parameters()).device.type}",
              "peak = most tensor bytes alive in one training step (like torch.cuda.max_memory_allocated)",
-             "speed is measured for precision x checkpointing x micro-batch; ZeRO/multi-process factors are assumed"]
+             "speed is measured for precision x checkpointing x micro-batch; ZeRO/multi-process factors are assumed",
+             f"optimizer: {measured.name} keeps {states:.2f} state tensors per parameter ({measured.source})"]
     if next(model.parameters()).device.type == "cpu":
         notes.append("measured on CPU: activation bytes carry over to a GPU for the same dtypes, speeds do not "
                      "(re-run the planner there)")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lit_speed.models.optim import configure_optimizers
+from lit_speed.models.configure_optimizers import configure_optimizers
 
 
 class MLPClassifier(pl.LightningModule):

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lit_speed.models.optim import configure_optimizers
+from lit_speed.models.configure_optimizers import configure_optimizers
 
 
 class NextTokenSteps:

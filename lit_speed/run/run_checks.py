@@ -270,7 +270,7 @@ def _param_group_keys(optimizer_factory: Any) -> set[str] | None:
     """The param-group keys ``optimizer_factory`` gives every group, or ``None`` when it cannot be probed.
 
     The probe is a tiny ``Linear``'s parameters; an optimizer that needs parameter names (``wants_param_names``, e.g.
-    ``MuonAdamW``) gets them as the bundled models pass them (``lit_speed.models.optim.param_groups``).
+    ``MuonAdamW``) gets them as the bundled models pass them (``lit_speed.models.configure_optimizers.param_groups``).
     """
     probe = torch.nn.Linear(4, 4, bias=True)
     wants_names = bool(getattr(getattr(optimizer_factory, "func", optimizer_factory), "wants_param_names", False))

@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_speed import GuardedDeepSpeedPrecision
+from lit_speed import GuardedDeepSpeedPrecision, state_tensors_per_param
 from lit_speed.compat import deepspeed as ds_compat, lightning as pl_compat
 from lit_speed.compat.deepspeed import BatchSizeFromLoader
 from lit_speed.interfaces import find_accumulation_decider
@@ -102,6 +102,7 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         validate_config(self.config)
         self.build_shm_comm = build_shm_comm
         self._estimate: ModelStateBytes | None = None
+        self._optimizer_states = 2.0  # Adam's, until the optimizer is built and asked (DeepSpeed's own are Adams)
 
     # -- settings derived from the config -------------------------------------------------------------------
     @property
@@ -184,15 +185,16 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         optimizer = kwargs.get("optimizer")
         if optimizer is not None:
             check_offload_optimizer(optimizer, self.offload_optimizer)
+            self._optimizer_states = state_tensors_per_param(optimizer) or self._optimizer_states
         if isinstance(self.accelerator, CPUAccelerator):
             kwargs = ds_compat.with_device_rank(kwargs, self.local_rank)
         return kwargs
 
     @override
     def init_deepspeed(self) -> None:
-        self._log_estimate()
         with ds_compat.intercept_deepspeed_initialize(self._adjust_initialize):
             super().init_deepspeed()
+        self._log_estimate()  # the optimizer has been asked its state (in _adjust_initialize)
 
     # -- gradient accumulation: Lightning decides, DeepSpeed follows ---------------------------------------
     @override
@@ -230,10 +232,11 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
     def memory_estimate(self, num_params: int, stage: int | None = None) -> ModelStateBytes:
         """Per-rank bytes of model states for this stage (or ``stage``: 0 for DeepSpeed without ZeRO, on one rank),
         offload, precision and world size."""
+        states, precision = self._optimizer_states, self.precision_plugin.precision
         if stage is not None:
-            return model_state_bytes(num_params, self.precision_plugin.precision, 2, ZeroLayout(stage, deepspeed=True))
+            return model_state_bytes(num_params, precision, states, ZeroLayout(stage, deepspeed=True))
         layout = ZeroLayout(self.stage, self.offload_optimizer, self.offload_parameters, deepspeed=True)
-        return model_state_bytes(num_params, self.precision_plugin.precision, 2, layout, self.world_size)
+        return model_state_bytes(num_params, precision, states, layout, self.world_size)
 
     def _log_estimate(self) -> None:
         module = self.lightning_module

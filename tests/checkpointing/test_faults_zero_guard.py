@@ -52,7 +52,7 @@ class Injecting(pl.LightningModule):
 
     def configure_optimizers(self):
         if self.offload:
-            from lit_speed.strategies.cpu_adam import CPUAdam
+            from lit_speed.optim.cpu_adam import CPUAdam
 
             return CPUAdam(self.parameters(), lr=0.1)
         return torch.optim.AdamW(self.parameters(), lr=0.1)

@@ -87,7 +87,7 @@ def optimizer_factory(name: str, lr: float = 3e-3) -> Any:
     if name == "sgd":
         return functools.partial(torch.optim.SGD, lr=lr * 30)
     if name == "cpu_adam":
-        from lit_speed.strategies.cpu_adam import CPUAdam
+        from lit_speed.optim.cpu_adam import CPUAdam
 
         return functools.partial(CPUAdam, lr=lr, betas=(0.9, 0.99), adamw_mode=True)
     raise ValueError(f"optimizer must be adamw|sgd|cpu_adam, got {name!r}")

@@ -46,8 +46,9 @@ def test_plan_argument_errors():
     model, batch = torch.nn.Linear(4, 4), torch.zeros(2, 4)
     with pytest.raises(ValueError, match=r"plan strategies must be a non-empty list from .*got \['zero9'\]"):
         plan(model, batch, strategies=["zero9"])
-    with pytest.raises(ValueError, match=r"optimizer must be one of .*got 'adam'"):
-        plan(model, batch, optimizer="adam")
+    # issue 25: the planner asks the optimizer the run builds (a factory), no longer a table of option names
+    with pytest.raises(ValueError, match=r"optimizer_factory must be a callable params -> Optimizer.*got 'adam'"):
+        plan(model, batch, optimizer_factory="adam")
     with pytest.raises(ValueError, match="probe_batches must be two increasing sizes"):
         plan(model, batch, probe_batches=(4, 2))
 

@@ -91,7 +91,7 @@ def test_a_single_data_or_model_option_is_refused_before_anything_starts(overrid
 @pytest.mark.parametrize("strategy", ["zero2_offload", "zero3_offload"])
 def test_offload_selects_cpu_adam_keeping_lr_and_betas(make_cfg, strategy):
     cfg = make_cfg([f"strategy={strategy}", "optimizer.lr=0.02", "optimizer.betas=[0.8,0.9]"])
-    assert cfg.optimizer._target_ == "lit_speed.strategies.cpu_adam.CPUAdam"
+    assert cfg.optimizer._target_ == "lit_speed.optim.cpu_adam.CPUAdam"
     assert cfg.optimizer.lr == 0.02 and list(cfg.optimizer.betas) == [0.8, 0.9]
     assert make_cfg(["experiment=charlm_cpu", f"strategy={strategy}"]).optimizer.lr == 0.003  # the preset's lr
     assert make_cfg([f"strategy={strategy}", "optimizer=adamw"]).optimizer._target_ == "torch.optim.AdamW"
@@ -223,7 +223,7 @@ def test_offload_option_alone_runs_with_cpu_adam(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["global_step"] == 1
-    assert summary["config"]["optimizer"]["_target_"] == "lit_speed.strategies.cpu_adam.CPUAdam"
+    assert summary["config"]["optimizer"]["_target_"] == "lit_speed.optim.cpu_adam.CPUAdam"
     assert summary["startup"]["zero"].startswith("stage 2, offload: optimizer")
 
 

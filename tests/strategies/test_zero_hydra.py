@@ -33,7 +33,7 @@ def test_yaml_keys_are_the_constructor_arguments(make_cfg) -> None:
         keys = set(yaml.safe_load((ROOT / "conf" / "strategy" / f"{option}.yaml").read_text())) - {"_target_", "defaults"}
         assert keys <= params, keys - params
     cpu_adam = make_cfg(["optimizer=cpu_adam"]).optimizer  # composed: _partial_ comes from its base, adamw_base
-    assert cpu_adam["_target_"] == "lit_speed.strategies.cpu_adam.CPUAdam" and cpu_adam["_partial_"] is True
+    assert cpu_adam["_target_"] == "lit_speed.optim.cpu_adam.CPUAdam" and cpu_adam["_partial_"] is True
 
 
 def test_raw_config_override_from_the_command_line_is_validated(make_cfg) -> None:

@@ -15,7 +15,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from tests.helpers.zero import clean_env, make_run, make_trainer  # noqa: E402
 
-from lit_speed.models.optim import warmup_cosine  # noqa: E402
+from lit_speed.optim.schedules import warmup_cosine  # noqa: E402
 from lit_speed.strategies.consolidate import consolidate_zero_checkpoint  # noqa: E402
 from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402
 

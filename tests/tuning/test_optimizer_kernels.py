@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_speed.models.batched_muon import BatchedMuon, newton_schulz_batched
+from lit_speed.optim.batched_muon import BatchedMuon, newton_schulz_batched
 from lit_speed.models.gpt import GPT
-from lit_speed.models.muon import MuonAdamW
+from lit_speed.optim.muon import MuonAdamW
 from lit_speed.tuning import Decision
 from lit_speed.tuning.optimizer_kernels import adamw_flags, probe_tensors
 
@@ -32,7 +32,7 @@ def fixed_choice(monkeypatch):
 def test_auto_adamw_kernel_is_applied_before_the_first_step_and_kept_in_the_checkpoint(fixed_choice, monkeypatch,
                                                                                       kernel):
     fixed_choice("adamw_kernel", kernel)
-    monkeypatch.setattr("lit_speed.models.muon.choose_adamw_kernel",
+    monkeypatch.setattr("lit_speed.optim.muon.choose_adamw_kernel",
                         __import__("lit_speed.tuning.optimizer_kernels", fromlist=["x"]).choose_adamw_kernel)
     model = GPT(97, 16, 2, 2, 32)
     opt = MuonAdamW(model.named_parameters(), adamw_kernel="auto")
@@ -41,7 +41,7 @@ def test_auto_adamw_kernel_is_applied_before_the_first_step_and_kept_in_the_chec
     assert all(g["kernel"] == kernel and g["fused"] == adamw_flags(kernel)["fused"] for g in groups)
     resumed = MuonAdamW(GPT(97, 16, 2, 2, 32).named_parameters(), adamw_kernel="auto")
     resumed.load_state_dict(opt.state_dict())
-    monkeypatch.setattr("lit_speed.models.muon.choose_adamw_kernel", lambda *a: pytest.fail("timed again on resume"))
+    monkeypatch.setattr("lit_speed.optim.muon.choose_adamw_kernel", lambda *a: pytest.fail("timed again on resume"))
     resumed.resolve_adamw_kernel()
     assert all(g["kernel"] == kernel for g in resumed.adamw.param_groups)
 
@@ -72,7 +72,7 @@ def test_auto_choices_are_timed_on_the_optimizers_own_shapes(monkeypatch):
         return Decision("optimizer.adamw_kernel", "foreach", "stand-in")
 
     monkeypatch.setattr("lit_speed.tuning.optimizer_kernels.choose_ns_dtype", ns)
-    monkeypatch.setattr("lit_speed.models.muon.choose_adamw_kernel", adamw)
+    monkeypatch.setattr("lit_speed.optim.muon.choose_adamw_kernel", adamw)
     model = GPT(97, 16, 2, 2, 32)
     opt = MuonAdamW(model.named_parameters(), ns_dtype="auto", adamw_kernel="auto", ns_steps=3)
     _step(model, opt)

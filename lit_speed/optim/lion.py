@@ -42,6 +42,10 @@ class Lion(torch.optim.Optimizer):
             raise ValueError(f"Lion(weight_decay={weight_decay}): weight_decay must be >= 0, got {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
 
+    def state_tensors_per_param(self) -> float:
+        """One momentum tensor per parameter (``exp_avg``): half of AdamW's optimizer memory."""
+        return 1.0
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None

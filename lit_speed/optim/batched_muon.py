@@ -83,6 +83,10 @@ class BatchedMuon(Muon):
             group.setdefault("ns_dtype", ns_dtype)
         self.ns_decision: Any = None  # the Decision of ns_dtype="auto", once made in this process
 
+    def state_tensors_per_param(self) -> float:
+        """One momentum buffer per matrix element (``momentum_buffer``, as torch's Muon)."""
+        return 1.0
+
     def resolve_ns_dtype(self) -> None:
         """Decide ``ns_dtype="auto"`` now (see the class docstring); nothing when every group has a dtype."""
         if not any(g.get("ns_dtype") == "auto" for g in self.param_groups):

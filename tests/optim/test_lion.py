@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_speed.models.lion import Lion
+from lit_speed.optim.lion import Lion
 
 
 def test_two_steps_match_the_formula():
@@ -70,10 +70,13 @@ def test_lion_yaml_builds_the_optimizer():
     assert isinstance(optimizer, Lion) and optimizer.defaults["lr"] == 0.0003
 
 
-def test_old_import_path_still_works_and_names_the_new_one():
-    with pytest.warns(DeprecationWarning, match=r"lit_speed\.memory\.lion\.Lion moved to lit_speed\.models\.lion\.Lion"):
-        from lit_speed.memory.lion import Lion as OldLion
-    assert OldLion is Lion
+def test_lion_is_public_and_declares_the_one_state_tensor_it_keeps():
     import lit_speed
 
     assert lit_speed.Lion is Lion
+    p = torch.nn.Parameter(torch.ones(3, 4))
+    optimizer = Lion([p])
+    p.grad = torch.ones_like(p)
+    optimizer.step()
+    kept = sum(t.numel() for state in optimizer.state.values() for t in state.values()) / p.numel()
+    assert optimizer.state_tensors_per_param() == kept == 1.0

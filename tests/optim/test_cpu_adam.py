@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_speed.strategies.cpu_adam import CPUAdam
+from lit_speed.optim.cpu_adam import CPUAdam
 
 
 def _model() -> torch.nn.Module:
@@ -32,7 +32,7 @@ def test_resumed_cpu_adam_steps_bitwise_like_the_uninterrupted_one(replay, monke
     _train(model, first, range(11))
     state = first.state_dict()
     if not replay:  # what DeepSpeedCPUAdam itself does: the next step recomputes beta**step with std::pow
-        monkeypatch.setattr("lit_speed.strategies.cpu_adam.replay_step_product", lambda *a: None)
+        monkeypatch.setattr("lit_speed.optim.cpu_adam.replay_step_product", lambda *a: None)
     resumed = CPUAdam(model.parameters(), lr=1e-2)
     resumed.load_state_dict(state)
     _train(model, resumed, range(11, 16))

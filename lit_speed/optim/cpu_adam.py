@@ -37,6 +37,10 @@ class CPUAdam(DeepSpeedCPUAdam):
         super().__init__(*args, **kwargs)
         self._owner_id = id(self)
 
+    def state_tensors_per_param(self) -> float:
+        """Adam's two moments per parameter (``exp_avg``, ``exp_avg_sq``), in float32 on the CPU."""
+        return 2.0
+
     def __del__(self) -> None:
         if self.__dict__.get("_owner_id") == id(self):
             super().__del__()

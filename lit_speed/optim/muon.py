@@ -14,7 +14,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import AdamW, Optimizer
 
-from lit_speed.models.batched_muon import NS_DTYPE_CHOICES, BatchedMuon
+from lit_speed.optim.batched_muon import NS_DTYPE_CHOICES, BatchedMuon
+from lit_speed.optim.state_cost import per_element
 from lit_speed.tuning.optimizer_kernels import ADAMW_KERNELS, adamw_flags, choose_adamw_kernel, on_rank_zero
 
 #: Parameter names (substrings) that always go to AdamW: embeddings and the output head.
@@ -35,12 +36,12 @@ class MuonAdamW(Optimizer):
     """Muon for hidden matrices, AdamW for the rest, as one optimizer.
 
     Args:
-        params: Parameter groups with a ``param_names`` list each (``lit_speed.models.optim`` passes them when
-            the optimizer sets ``wants_param_names``), or ``(name, tensor)`` pairs.
+        params: Parameter groups with a ``param_names`` list each (``lit_speed.models.configure_optimizers`` passes
+            them when the optimizer sets ``wants_param_names``), or ``(name, tensor)`` pairs.
         lr: Muon's peak LR.
         adamw_lr: AdamW's peak LR (embeddings, head, norms, biases).
         momentum, nesterov, ns_steps, adjust_lr_fn: ``torch.optim.Muon`` settings (the update runs as
-            :class:`~lit_speed.models.batched_muon.BatchedMuon`: torch's math, batched over same-shape matrices).
+            :class:`~lit_speed.optim.batched_muon.BatchedMuon`: torch's math, batched over same-shape matrices).
         ns_dtype: Newton-Schulz dtype: ``"bfloat16"`` (torch's), ``"float32"``, or ``"auto"`` (timed here).
         adamw_kernel: AdamW's kernel: ``"fused"``, ``"foreach"``, ``"for-loop"``, ``None`` (torch's default), or
             ``"auto"`` (timed here on the AdamW half's own parameter shapes before the first step, cached per
@@ -58,6 +59,11 @@ class MuonAdamW(Optimizer):
     """
 
     wants_param_names = True
+
+    def state_tensors_per_param(self) -> float:
+        """One momentum buffer per Muon matrix element, two AdamW moments per other element (the
+        :class:`~lit_speed.interfaces.OptimizerStateCost` the memory planner asks)."""
+        return per_element([(self.muon.param_groups, 1), (self.adamw.param_groups if self.adamw else [], 2)])
 
     def __init__(self, params: Iterable[Any], lr: float = 0.02, adamw_lr: float = 3e-3, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = None,

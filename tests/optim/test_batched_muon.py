@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.optim import Muon
 
-from lit_speed.models.batched_muon import BatchedMuon, adjusted_lr, newton_schulz_batched
+from lit_speed.optim.batched_muon import BatchedMuon, adjusted_lr, newton_schulz_batched
 from lit_speed.models.gpt import GPT
 
 
@@ -70,7 +70,7 @@ def test_same_shape_matrices_share_one_batched_iteration(monkeypatch: pytest.Mon
         calls.append(tuple(updates.shape))
         return real(updates, *args)
 
-    monkeypatch.setattr("lit_speed.models.batched_muon.newton_schulz_batched", spy)
+    monkeypatch.setattr("lit_speed.optim.batched_muon.newton_schulz_batched", spy)
     _run(BatchedMuon, 1)
     # 2 blocks x (qkv 96x32, proj 32x32, fc 128x32, mlp proj 32x128): fc is stored tall and oriented wide
     assert sorted(calls) == sorted([(2, 32, 96), (2, 32, 32), (4, 32, 128)])

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from lit_speed.models.gpt import GPT
-from lit_speed.models.muon import MuonAdamW, split_for_muon
-from lit_speed.models.optim import configure_optimizers, param_groups, warmup_stable_decay, wsd_factor
+from lit_speed.optim.muon import MuonAdamW, split_for_muon
+from lit_speed.models.configure_optimizers import configure_optimizers, param_groups
+from lit_speed.optim.schedules import warmup_stable_decay, wsd_factor
 
 
 def _gpt() -> GPT:

@@ -1,31 +1,14 @@
-"""Optimizer and LR-schedule wiring shared by the bundled LightningModules."""
+"""LR schedules as plain ``LambdaLR`` builders (Hydra: ``model.scheduler: {_target_: ..., _partial_: true}``).
+
+:func:`warmup_cosine` (linear warm-up, cosine decay to a floor) and :func:`warmup_stable_decay` (warm-up, the peak LR
+held, a linear decay placed where the target should be reached: ``experiment=charlm_fast``). Their position resumes
+through the scheduler's ``state_dict``; :func:`wsd_factor` is the plain multiplier.
+"""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
 
 import torch
-from torch import nn
-
-OptimizerFactory = Callable[..., torch.optim.Optimizer]
-
-
-def param_groups(module: nn.Module, weight_decay: float, names: bool = False) -> list[dict[str, Any]]:
-    """Decay matrices and embeddings only; biases and norm weights are not decayed (as in nanoGPT).
-
-    ``names=True`` adds each group's ``param_names`` (for optimizers that split by name, e.g. Muon).
-    """
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    groups = []
-    for keep, wd in ((lambda p: p.dim() >= 2, weight_decay), (lambda p: p.dim() < 2, 0.0)):
-        chosen = [(n, p) for n, p in named if keep(p)]
-        group: dict[str, Any] = {"params": [p for _, p in chosen], "weight_decay": wd}
-        if names:
-            group["param_names"] = [n for n, _ in chosen]
-        groups.append(group)
-    # no empty group: with frozen parameters (adapters) one may be empty, and DeepSpeed drops empty groups, which
-    # leaves an LR schedule with one entry per group out of step with the optimizer
-    return [g for g in groups if g["params"]]
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
@@ -88,23 +71,3 @@ def warmup_stable_decay(optimizer: torch.optim.Optimizer, total_steps: int, warm
         return wsd_factor(step, length, warmup_steps, decay_steps, min_lr_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def configure_optimizers(module: "torch.nn.Module", optimizer: OptimizerFactory | None,
-                         scheduler: Callable[..., Any] | None, weight_decay: float,
-                         total_steps: int, strategy: Any = None) -> Any:
-    """Build the ``configure_optimizers`` return value from Hydra partials (``strategy``: refuse what cannot run)."""
-    if optimizer is None:
-        raise ValueError(f"{type(module).__name__}(optimizer=None): optimizer is not set: pass a partial, e.g. "
-                         "functools.partial(torch.optim.AdamW, lr=1e-3) (in Hydra: optimizer=adamw)")
-    wants_names = bool(getattr(getattr(optimizer, "func", optimizer), "wants_param_names", False))
-    if wants_names and strategy is not None and "DeepSpeedStrategy" in {c.__name__ for c in type(strategy).__mro__}:
-        raise ValueError(f"{type(module).__name__}(optimizer=MuonAdamW): MuonAdamW cannot run under a DeepSpeed "
-                         "ZeRO strategy: ZeRO flattens parameters into 1-D partitions (and offload steps on the CPU "
-                         "with its own Adam), so Muon's 2-D matrices do not exist there. Fix: Trainer(strategy='auto' "
-                         "or 'ddp') with MuonAdamW, or keep ZeRO with AdamW (or DeepSpeedCPUAdam for offload).")
-    opt = optimizer(param_groups(module, weight_decay, names=wants_names))
-    if scheduler is None:
-        return opt
-    sched = scheduler(opt, total_steps=total_steps)
-    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}

@@ -1,1 +1,0 @@
-"""Tests of ``lit_speed.models``."""

@@ -1,0 +1,1 @@
+"""Tests of ``lit_speed.optim``: the optimizers, their declared state, the LR schedules."""
