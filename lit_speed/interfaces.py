@@ -6,8 +6,9 @@ methods qualifies, so each side also works with a third-party counterpart, or al
 
 * :class:`AccumulationDecider` - a callback that decides, per micro-batch, whether the optimizer steps after
   it (``lit_speed.AccumulationScheduler``). Read by ``lit_speed.ZeroStrategy`` to set DeepSpeed's boundary.
-* :class:`AccumulationFollower` - a strategy that keeps its own accumulation state in step with that decision
-  (``lit_speed.ZeroStrategy``). ``AccumulationScheduler`` refuses other DeepSpeed strategies.
+* :class:`AccumulationFollower` - a strategy that keeps its own accumulation state in step with that decision and
+  scales a window's gradients on request (``lit_speed.ZeroStrategy``). ``AccumulationScheduler`` refuses other
+  DeepSpeed strategies.
 * :class:`OptimizerStateCost` - an optimizer that declares the state it keeps per parameter (``lit_speed.Lion``,
   ``lit_speed.MuonAdamW``, ...). Asked by the memory planner and ``ZeroStrategy`` through
   ``lit_speed.state_tensors_per_param``, which also knows torch's and DeepSpeed's own optimizers.
@@ -56,6 +57,12 @@ class AccumulationFollower(Protocol):
 
     def sync_accumulation(self, trainer: "pl.Trainer") -> None:
         """Bring the engine's accumulation state in line with the trainer's current decision."""
+        ...
+
+    def scale_step_gradients(self, scale: float) -> None:
+        """Multiply the gradients the next optimizer step applies by ``scale`` (a window's normalisation, where the
+        engine keeps gradients out of reach, e.g. ZeRO's flat partitions); ``1.0`` restores plain steps. Raises
+        ``ValueError`` when the engine cannot (the decider calls it with ``1.0`` before training to find out)."""
         ...
 
 

@@ -388,6 +388,146 @@ def test_the_runner_may_import_every_component_and_nothing_imports_it(synthetic_
         in violations
 
 
+# --------------------------------------------------------------------------- 1b. patches of other libraries' modules
+_MODULE_CALLS = ("import_module", "__import__")
+
+
+def _is_module_lookup(value: ast.AST) -> bool:
+    """``sys.modules[...]``, ``sys.modules.get(...)``, ``importlib.import_module(...)``, ``__import__(...)``."""
+    if isinstance(value, ast.Subscript):
+        return ast.unparse(value.value) == "sys.modules"
+    if isinstance(value, ast.Call):
+        func = ast.unparse(value.func)
+        return func == "sys.modules.get" or func.split(".")[-1] in _MODULE_CALLS
+    return False
+
+
+def _is_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError, AttributeError):
+        return False
+
+
+def _module_names(tree: ast.AST, own: str = "lit_speed") -> set[str]:
+    """Names bound to another library's module anywhere in ``tree``: ``import x.y [as m]``, ``from x import y`` where
+    ``x.y`` is a module, and ``m = sys.modules[...]`` / ``importlib.import_module(...)`` lookups."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if not a.name.startswith(own)}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level and not node.module.startswith(own):
+            names |= {a.asname or a.name for a in node.names if _is_module(f"{node.module}.{a.name}")}
+        elif isinstance(node, ast.Assign) and _is_module_lookup(node.value):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def module_patches(source: str, filename: str = "<module>") -> list[tuple[int, str, ast.AST]]:
+    """Assignments into another library's module (``deepspeed.initialize = f``, ``utils.x = y`` after
+    ``utils = sys.modules.get(...)``, ``setattr(module, ...)``), as ``(line, what, node)``."""
+    tree = ast.parse(source, filename)
+    modules = _module_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for leaf in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(leaf, ast.Attribute) and (_root_name(leaf) in modules or _is_module_lookup(leaf.value)):
+                    found.append((node.lineno, f"module global {ast.unparse(leaf)} = ...", node))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args and (_root_name(node.args[0]) in modules or _is_module_lookup(node.args[0])):
+            found.append((node.lineno, f"{node.func.id}({ast.unparse(node.args[0])}, ...)", node))
+    return sorted(found, key=lambda f: f[0])
+
+
+def _restored_in_finally(function: ast.AST, target: str) -> bool:
+    """``function`` is a ``@contextmanager`` whose ``finally`` assigns ``target`` back."""
+    decorated = any(ast.unparse(d).split(".")[-1] == "contextmanager" for d in getattr(function, "decorator_list", []))
+    restores = {ast.unparse(leaf) for node in ast.walk(function) if isinstance(node, ast.Try)
+                for stmt in node.finalbody for sub in ast.walk(stmt) if isinstance(sub, ast.Assign)
+                for t in sub.targets for leaf in (t.elts if isinstance(t, ast.Tuple) else [t])}
+    return decorated and target in restores
+
+
+def unscoped_patches(source: str, filename: str = "<module>") -> list[str]:
+    """The module patches of ``source`` not made inside a ``@contextmanager`` that restores them in ``finally``."""
+    tree = ast.parse(source, filename)
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    found = []
+    for line, what, node in module_patches(source, filename):
+        owner = min((f for f in functions if f.lineno <= line <= f.end_lineno), default=None,
+                    key=lambda f: f.end_lineno - f.lineno)
+        targets = [ast.unparse(leaf) for t in getattr(node, "targets", []) for leaf in
+                   (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(leaf, ast.Attribute)]
+        if owner is None or not targets or not all(_restored_in_finally(owner, t) for t in targets):
+            found.append(f"{filename}:{line}: {what}")
+    return found
+
+
+def test_no_module_global_patch_of_another_library_outside_compat() -> None:
+    found = [f"{path.relative_to(ROOT.parent)}:{line}: {what}" for name, path in _modules().items()
+             if _outside_compat(name) for line, what, _ in module_patches(path.read_text(), str(path))]
+    assert not found, ("a module global of another library is rebound outside lit_speed/compat/: make it a scoped "
+                       "compat helper (a @contextmanager that restores it in finally):\n" + "\n".join(found))
+
+
+def test_compat_patches_are_scoped_and_restored() -> None:
+    found = [line for name, path in _modules().items() if not _outside_compat(name)
+             for line in unscoped_patches(path.read_text(), str(path.relative_to(ROOT.parent)))]
+    assert not found, "a compat patch that is not restored after its with block:\n" + "\n".join(found)
+
+
+# the rebinding lit_speed/strategies/ds_accelerator.py made for good until issue 25, and the scoped form it became
+OLD_DS_ACCELERATOR = '''
+import sys
+
+def use_deepspeed_accelerator(name):
+    accelerator = make(name)
+    utils = sys.modules.get("deepspeed.runtime.utils")
+    if utils is not None:
+        utils.torch_memory_reserved = accelerator.memory_reserved
+        utils.torch_max_memory_reserved = accelerator.max_memory_reserved
+'''
+SCOPED = '''
+import importlib
+from contextlib import contextmanager
+
+@contextmanager
+def follow(accelerator):
+    utils = importlib.import_module("deepspeed.runtime.utils")
+    original = utils.torch_memory_reserved
+    utils.torch_memory_reserved = accelerator.memory_reserved
+    try:
+        yield
+    finally:
+        utils.torch_memory_reserved = original
+'''
+
+
+def test_the_scanner_catches_module_global_rebinding() -> None:
+    found = [what for _, what, _ in module_patches(OLD_DS_ACCELERATOR)]
+    assert found == ["module global utils.torch_memory_reserved = ...",
+                     "module global utils.torch_max_memory_reserved = ..."]
+    assert len(unscoped_patches(OLD_DS_ACCELERATOR)) == 2  # not even in compat would it pass: nothing restores it
+    assert unscoped_patches(SCOPED) == [] and len(module_patches(SCOPED)) == 2  # the restore in finally counts too
+    others = "import deepspeed\nimport torch.nn as nn\nfrom deepspeed import comm\ndef f(x):\n    deepspeed.x = 1\n" \
+             "    nn.Linear = x\n    setattr(comm, 'y', 2)\n    x.y = 3\n"
+    assert [w for _, w, _ in module_patches(others)] == ["module global deepspeed.x = ...",
+                                                         "module global nn.Linear = ...", "setattr(comm, ...)"]
+
+
+def test_only_strategies_drive_the_deepspeed_engine() -> None:
+    found = [f"{path.relative_to(ROOT.parent)}:{node.lineno}" for name, path in _modules().items()
+             if not name.startswith("lit_speed.strategies") for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "deepspeed_engine"]
+    assert not found, ("only lit_speed/strategies/ touches a DeepSpeed engine; ask the strategy through "
+                       "lit_speed.interfaces (AccumulationFollower) instead:\n" + "\n".join(found))
+
+
 # ---------------------------------------------------------------------------------------------- 3. one home per fact
 #: Files of ``lit_speed/`` that may spell a precision mode as a string constant besides the mode table (issue 25: at
 #: most 3): the GPU table's grid of measured cells, which also holds ``tf32``, a setting and not a mode.

@@ -100,6 +100,7 @@ class AccumulationScheduler(Callback):
         self._oom_count = 0
         self._epoch_end = False
         self._deepspeed = False
+        self._follower: Optional[AccumulationFollower] = None
         self._trainer: Optional["pl.Trainer"] = None
         self._last_logged: dict[str, float] = {}
 
@@ -142,7 +143,8 @@ class AccumulationScheduler(Callback):
                              "AccumulationScheduler both set accumulation; remove accumulate_grad_batches from the "
                              "Trainer (or use AccumulationScheduler(factors={0: N}))")
         self._deepspeed = _is_deepspeed(trainer)
-        if self._deepspeed and not isinstance(trainer.strategy, AccumulationFollower):
+        self._follower = trainer.strategy if isinstance(trainer.strategy, AccumulationFollower) else None
+        if self._deepspeed and self._follower is None:
             raise ValueError(f"AccumulationScheduler with {type(trainer.strategy).__name__}: use "
                              "lit_speed.ZeroStrategy(stage=1|2|3), which keeps DeepSpeed's "
                              "gradient_accumulation_steps and boundary in step with this callback")
@@ -182,13 +184,8 @@ class AccumulationScheduler(Callback):
             self._saved_grads = None
         trainer.accumulate_grad_batches = self.current_factor
         self._last_logged = {}  # a new fit starts with empty callback_metrics
-        if self._deepspeed:
-            optimizer = trainer.strategy.deepspeed_engine.optimizer
-            if not hasattr(optimizer, "override_loss_scale") or getattr(optimizer, "dynamic_loss_scale", False):
-                raise ValueError(f"AccumulationScheduler normalises ZeRO gradients through the loss scale of "
-                                 f"DeepSpeed's ZeRO optimizer; {type(optimizer).__name__} (dynamic fp16 loss scaling "
-                                 f"or a non-ZeRO DeepSpeed optimizer) cannot; use precision 'bf16-mixed' or "
-                                 f"'32-true'")
+        if self._deepspeed:  # the engine scales the window's gradients for us: refused here if it cannot
+            self._follower.scale_step_gradients(1.0)
 
     # ------------------------------------------------------------------ the window
     def _position(self, trainer: "pl.Trainer") -> float:
@@ -332,10 +329,8 @@ class AccumulationScheduler(Callback):
         scale = window_scale(items, trainer.world_size)  # refuses a window without items in every case
         if self._one_micro_batch(trainer):
             pass  # the gradient of the micro-batch's mean loss is already the normalised gradient
-        elif self._deepspeed:
-            # ZeRO keeps gradients in flat partitions; its step divides them by the loss scale, so the
-            # normalisation rides on that (restored to 1 after the step, before the next backward)
-            trainer.strategy.deepspeed_engine.optimizer.override_loss_scale(1.0 / scale)
+        elif self._deepspeed:  # gradients out of reach (ZeRO's flat partitions): the strategy scales them
+            self._follower.scale_step_gradients(scale)  # back to 1 after the step, before the next backward
         else:  # the optimizer's parameters: under bf16-master these are the float32 masters holding the gradients
             scale_gradients(optimizer_parameters([optimizer]), scale)
         self._last_items = items
@@ -348,7 +343,7 @@ class AccumulationScheduler(Callback):
         if not self.step_now:
             return
         if self._deepspeed:
-            trainer.strategy.deepspeed_engine.optimizer.override_loss_scale(1.0)
+            self._follower.scale_step_gradients(1.0)
         # self.log costs ~0.5 ms per value on a CPU: log what changed, and everything when the loggers write
         log_step_metrics(trainer, pl_module, {
             "accumulation/factor": float(self.current_factor),

@@ -16,10 +16,13 @@ Modules, by library (each function states the version it was written against):
 * :mod:`lit_speed.compat.torch` - private torch ops and modules (``_foreach_*``, pytree, dispatch modes,
   ``torch.compile``'s module wrapper, the oneDNN bf16 check).
 
-Process-wide patches: none stays after the call that needs it. ``deepspeed.initialize`` and DeepSpeed's
-``build_shm_op`` are replaced only inside ``with`` blocks
+Process-wide patches: none stays after the call that needs it. ``deepspeed.initialize``, DeepSpeed's
+``build_shm_op`` and its two memory readers are replaced only inside ``with`` blocks
 (:func:`lit_speed.compat.deepspeed.intercept_deepspeed_initialize`,
-:func:`lit_speed.compat.deepspeed.shm_comm_build_skipped`); the loop patches are per ``Trainer`` instance and
+:func:`lit_speed.compat.deepspeed.shm_comm_build_skipped`,
+:func:`lit_speed.compat.deepspeed.memory_readers_follow_accelerator`, held by ``ZeroStrategy`` from set-up to
+teardown); ``tests/test_architecture.py`` refuses an assignment into another library's module anywhere else, or
+here outside a ``@contextmanager`` that restores it in ``finally``. The loop patches are per ``Trainer`` instance and
 removed at teardown (:func:`lit_speed.compat.lightning.uninstall_accumulation_controller`); ``muted_log`` and
 ``detached_from_trainer`` patch one module for the length of a ``with`` block.
 

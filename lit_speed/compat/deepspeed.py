@@ -37,6 +37,29 @@ def shm_comm_build_skipped() -> Iterator[None]:
 
 
 @contextmanager
+def memory_readers_follow_accelerator() -> Iterator[None]:
+    """Inside the ``with`` block, DeepSpeed's memory log lines read the accelerator in use now.
+
+    DeepSpeed 0.19.8 binds two module globals of ``deepspeed.runtime.utils`` to the accelerator of import time
+    (``torch_memory_reserved = get_accelerator().memory_reserved`` and ``torch_max_memory_reserved``, read by
+    ``see_memory_usage``); after ``deepspeed.accelerator.set_accelerator`` they still read the old one. They are
+    rebound to the current accelerator for the block and restored after it (``ZeroStrategy`` holds the block from
+    its environment set-up to its teardown).
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    utils = importlib.import_module("deepspeed.runtime.utils")
+    accelerator = get_accelerator()
+    originals = utils.torch_memory_reserved, utils.torch_max_memory_reserved
+    utils.torch_memory_reserved = accelerator.memory_reserved
+    utils.torch_max_memory_reserved = accelerator.max_memory_reserved
+    try:
+        yield
+    finally:
+        utils.torch_memory_reserved, utils.torch_max_memory_reserved = originals
+
+
+@contextmanager
 def intercept_deepspeed_initialize(adjust: Callable[[dict[str, Any]], dict[str, Any]]) -> Iterator[None]:
     """Let ``adjust`` see and amend the keyword arguments of Lightning's ``deepspeed.initialize`` calls.
 

@@ -10,7 +10,6 @@ ZeRO on a CUDA device with DeepSpeed's CPU accelerator, and the reverse order br
 from __future__ import annotations
 
 import os
-import sys
 
 DS_ACCELERATORS = ("cpu", "cuda")
 
@@ -52,10 +51,5 @@ def use_deepspeed_accelerator(name: str) -> bool:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         accelerator = CPU_Accelerator()
-    set_accelerator(accelerator)
-    # DeepSpeed 0.19.8 binds two accelerator methods at import (used by its memory log lines); rebind them
-    utils = sys.modules.get("deepspeed.runtime.utils")
-    if utils is not None:
-        utils.torch_memory_reserved = accelerator.memory_reserved
-        utils.torch_max_memory_reserved = accelerator.max_memory_reserved
-    return True
+    set_accelerator(accelerator)  # DeepSpeed's public switch; its memory readers follow inside
+    return True                   # lit_speed.compat.deepspeed.memory_readers_follow_accelerator (ZeroStrategy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -102,6 +102,7 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         validate_config(self.config)
         self.build_shm_comm = build_shm_comm
         self._estimate: ModelStateBytes | None = None
+        self._deepspeed_patches = ExitStack()  # compat patches held from environment set-up to teardown
         self._optimizer_states = 2.0  # Adam's, until the optimizer is built and asked (DeepSpeed's own are Adams)
 
     # -- settings derived from the config -------------------------------------------------------------------
@@ -166,6 +167,7 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         # DeepSpeed may have fixed its accelerator at import, from DS_ACCELERATOR; the device decides here
         if use_deepspeed_accelerator("cpu" if on_cpu else "cuda"):
             rank_zero_info(f"ZeroStrategy: DeepSpeed accelerator set to {'cpu' if on_cpu else 'cuda'} for this run")
+        self._deepspeed_patches.enter_context(ds_compat.memory_readers_follow_accelerator())
         self._apply_source_precision()
         # skip DeepSpeedStrategy's CUDA-only check; the rest of the environment setup is DDP's
         pl_compat.setup_environment_as_ddp(self)
@@ -220,6 +222,29 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         decider = find_accumulation_decider(trainer.callbacks)
         steps = decider.optimizer_steps_now() if decider is not None else not pl_compat.should_accumulate(trainer)
         self.deepspeed_engine.set_gradient_accumulation_boundary(steps)
+
+    def scale_step_gradients(self, scale: float) -> None:
+        """Multiply the gradients the next optimizer step applies by ``scale`` (1.0: plain steps again).
+
+        ZeRO keeps gradients in flat partitions and divides them by its loss scale when it steps, so the scale rides
+        on that (:class:`~lit_speed.interfaces.AccumulationFollower`: ``AccumulationScheduler`` normalises a window
+        through it).
+
+        Raises:
+            ValueError: When DeepSpeed's optimizer cannot take a fixed loss scale (fp16's dynamic loss scaler, or a
+                non-ZeRO DeepSpeed optimizer).
+        """
+        optimizer = self.deepspeed_engine.optimizer
+        if not hasattr(optimizer, "override_loss_scale") or getattr(optimizer, "dynamic_loss_scale", False):
+            raise ValueError(f"AccumulationScheduler normalises ZeRO gradients through the loss scale of "
+                             f"DeepSpeed's ZeRO optimizer; {type(optimizer).__name__} (dynamic fp16 loss scaling "
+                             f"or a non-ZeRO DeepSpeed optimizer) cannot; use precision 'bf16-mixed' or '32-true'")
+        optimizer.override_loss_scale(1.0 / scale)
+
+    @override
+    def teardown(self) -> None:
+        self._deepspeed_patches.close()
+        super().teardown()
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     @override

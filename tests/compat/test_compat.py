@@ -308,6 +308,18 @@ def test_shm_patch_reaches_the_module_deepspeed_calls_and_is_scoped() -> None:
         module.build_shm_op = original
 
 
+def test_memory_readers_follow_the_accelerator_inside_the_block_and_are_restored() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    utils = importlib.import_module("deepspeed.runtime.utils")
+    assert "torch_memory_reserved()" in inspect.getsource(utils.see_memory_usage), "DeepSpeed's memory readers moved"
+    originals = utils.torch_memory_reserved, utils.torch_max_memory_reserved
+    with ds_compat.memory_readers_follow_accelerator():
+        assert utils.torch_memory_reserved.__self__ is get_accelerator()
+        assert utils.torch_max_memory_reserved.__self__ is get_accelerator()
+    assert (utils.torch_memory_reserved, utils.torch_max_memory_reserved) == originals
+
+
 def test_intercept_amends_device_rank_and_restores_deepspeed_initialize() -> None:
     import deepspeed
 
