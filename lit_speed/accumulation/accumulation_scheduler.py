@@ -17,6 +17,7 @@ from lit_speed.accumulation.window import (NORMALIZE, batch_samples, count_items
                                            split_batch, window_scale)
 from lit_speed.compat import lightning as pl_compat
 from lit_speed.interfaces import AccumulationFollower
+from lit_speed.oom import is_oom_error
 from lit_speed.step_logging import log_step_metrics
 
 
@@ -255,7 +256,7 @@ class AccumulationScheduler(Callback):
         try:
             return self._run_pieces(run, optimizer, batch_idx, kwargs, batch, self._epoch_end)
         except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError
-            if not (self.oom_recovery and mb.is_oom_error(error)):
+            if not (self.oom_recovery and is_oom_error(error)):
                 raise
             return self._retry_window(run, optimizer, batch_idx, kwargs, batch, self._epoch_end, error)
 
@@ -307,7 +308,7 @@ class AccumulationScheduler(Callback):
                     output = self._run_pieces(run, optimizer, batch_idx, kwargs, cached, last)
                 return output
             except RuntimeError as again:
-                if not mb.is_oom_error(again):
+                if not is_oom_error(again):
                     raise
                 error = again
 

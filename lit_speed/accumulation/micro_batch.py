@@ -12,7 +12,6 @@ import torch
 
 from lit_speed.accumulation.window import batch_samples, head_batch
 from lit_speed.compat.lightning import muted_log
-from lit_speed.oom import OOM_MESSAGES, is_oom_error  # noqa: F401 - re-exported, imported from here before
 
 
 def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:

@@ -12,8 +12,7 @@ from typing_extensions import override
 from lit_speed.curriculum.difficulty import difficulty_order, resolve_scores
 from lit_speed.curriculum.pacing import check_pacing, pacing_fraction, progress_at, seq_len_at
 from lit_speed.curriculum.sampler import CurriculumSampler
-from lit_speed.data.pipeline import (BatchFetch, apply_batch_transform, check_worker_options, loader_kwargs,
-                                     resolve_num_workers, resolve_pin_memory, truncate_sequences)
+from lit_speed.data.pipeline import BatchFetch, LoaderOptions, apply_batch_transform, truncate_sequences
 
 PACE_UNITS = ("steps", "epochs")
 
@@ -44,10 +43,8 @@ class CurriculumDataModule(pl.LightningDataModule):
         seq_len_multiple: Warm-up lengths are rounded down to a multiple of this.
         seed: Seed of the difficulty tie-breaking and of every epoch's shuffle.
         drop_last: Drop each epoch's last, smaller batch.
-        num_workers: DataLoader workers, or ``auto`` (0 for tensor data, else one per spare core).
-        pin_memory: ``auto`` pins only when training on CUDA.
-        persistent_workers: Keep workers alive between epochs (needs ``num_workers > 0``).
-        prefetch_factor: Batches each worker loads ahead (needs ``num_workers > 0``).
+        num_workers, pin_memory, persistent_workers, prefetch_factor: The loader options
+            (:class:`~lit_speed.data.pipeline.LoaderOptions`).
         batch_transform: Function ``batch -> batch`` applied to training batches after transfer to the device.
         block_size: Full sequence length of the warm-up; defaults to the wrapped DataModule's ``block_size``.
 
@@ -68,7 +65,7 @@ class CurriculumDataModule(pl.LightningDataModule):
                  pacing: str = "linear", start_fraction: float = 0.25, pace_duration: int = 0,
                  pace_unit: str = "steps", pace_stages: int = 4, seq_len_start: int | None = None,
                  seq_len_warmup: int = 0, seq_len_multiple: int = 8, seed: int = 0, drop_last: bool = False,
-                 num_workers: int | str = 0, pin_memory: bool | str = "auto", persistent_workers: bool = False,
+                 num_workers: int | str = 0, pin_memory: bool | str = "auto", persistent_workers: bool | None = None,
                  prefetch_factor: int | None = None, batch_transform: Callable[[Any], Any] | None = None,
                  block_size: int | None = None) -> None:
         super().__init__()
@@ -88,7 +85,7 @@ class CurriculumDataModule(pl.LightningDataModule):
         if seq_len_start is not None and seq_len_warmup <= 0:
             raise ValueError(f"seq_len_start={seq_len_start} needs seq_len_warmup > 0 (batches of the warm-up), "
                              f"got {seq_len_warmup}; set it, or seq_len_start=null")
-        check_worker_options(num_workers, persistent_workers, prefetch_factor)
+        self.loader = LoaderOptions(num_workers, pin_memory, persistent_workers, prefetch_factor)
         self.datamodule, self.train_dataset, self.val_dataset = datamodule, train_dataset, val_dataset
         self.batch_size = batch_size
         self.difficulty, self.reference_model = difficulty, reference_model
@@ -96,8 +93,6 @@ class CurriculumDataModule(pl.LightningDataModule):
         self.pace_duration, self.pace_unit = pace_duration, pace_unit
         self.seq_len_start, self.seq_len_warmup, self.seq_len_multiple = seq_len_start, seq_len_warmup, seq_len_multiple
         self.seed, self.drop_last, self.batch_transform = seed, drop_last, batch_transform
-        self.num_workers, self.pin_memory = num_workers, pin_memory
-        self.persistent_workers, self.prefetch_factor = persistent_workers, prefetch_factor
         self.sampler: CurriculumSampler | None = None
         inner = getattr(datamodule, "block_size", None)
         if block_size is not None and inner is not None and block_size != inner:
@@ -162,9 +157,7 @@ class CurriculumDataModule(pl.LightningDataModule):
         return self.fraction_at(g) < 1.0 or (length is not None and length < self.full_seq_len)
 
     def _loader_kwargs(self, preloaded: bool) -> dict[str, Any]:
-        return loader_kwargs(resolve_num_workers(self.num_workers, preloaded),
-                             resolve_pin_memory(self.pin_memory, self.trainer),
-                             self.persistent_workers, self.prefetch_factor)
+        return self.loader.kwargs(preloaded, self.trainer)
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -20,8 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lit_speed.data.pipeline import (BatchFetch, check_worker_options, loader_kwargs,
-                                     resolve_num_workers, resolve_pin_memory)
+from lit_speed.data.pipeline import BatchFetch, LoaderOptions
 from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
 from lit_speed.run_contract import SummaryExtra
 
@@ -261,7 +260,7 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_val_windows", max_val_windows)):
             if value < 1:
                 raise ValueError(f"CharLMDataModule({name}={value!r}): {name} must be >= 1, got {value}")
-        check_worker_options(num_workers, persistent_workers, prefetch_factor)
+        self.loader = LoaderOptions(num_workers, pin_memory, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["batch_transform"])
         self.batch_transform = batch_transform
         self.batch_size = batch_size
@@ -300,10 +299,7 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         return [SummaryExtra("unigram_baseline", "unigram baseline val/loss", self.unigram_baseline())]
 
     def _loader_kwargs(self) -> dict[str, Any]:
-        h = self.hparams
-        workers = resolve_num_workers(h.num_workers, h.preload)
-        persistent = workers > 0 if h.persistent_workers is None else h.persistent_workers
-        return loader_kwargs(workers, resolve_pin_memory(h.pin_memory, self.trainer), persistent, h.prefetch_factor)
+        return self.loader.kwargs(preloaded=self.hparams.preload, trainer=self.trainer)
 
     def train_dataloader(self) -> DataLoader:
         # the same draw as shuffle=True, drop_last=True, resumable mid-epoch; each batch gathered in one index

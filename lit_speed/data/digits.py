@@ -8,8 +8,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lit_speed.data.pipeline import (BatchFetch, check_worker_options, loader_kwargs,
-                                     resolve_num_workers, resolve_pin_memory)
+from lit_speed.data.pipeline import BatchFetch, LoaderOptions
 from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
 
 
@@ -38,10 +37,8 @@ class DigitsDataModule(ResumableOrderHooks, pl.LightningDataModule):
         batch_size: Micro-batch size per device.
         val_fraction: Share of samples held out for validation.
         seed: Seed of the train/val split (independent of the training seed).
-        num_workers: DataLoader workers, or ``auto``. 0 is fastest here: the data is already a tensor.
-        pin_memory: Pin host memory; ``auto`` = only when training on CUDA.
-        persistent_workers: Keep workers between epochs (needs ``num_workers > 0``).
-        prefetch_factor: Batches each worker loads ahead (needs ``num_workers > 0``).
+        num_workers, pin_memory, persistent_workers, prefetch_factor: The loader options
+            (:class:`~lit_speed.data.pipeline.LoaderOptions`); 0 workers is fastest here: the data is already a tensor.
         preload: Serve each training batch with one tensor index (``True``) instead of ``batch_size``
             ``__getitem__`` calls and a collate (``False``). Same samples in the same order either way.
         batch_transform: Function ``batch -> batch`` applied to training batches after transfer to the
@@ -61,15 +58,13 @@ class DigitsDataModule(ResumableOrderHooks, pl.LightningDataModule):
     batch_kind = "features->class"  # what model= must take (lit_speed.run_contract.BatchSource)
 
     def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0, num_workers: int | str = 0,
-                 pin_memory: bool | str = "auto", persistent_workers: bool = False, prefetch_factor: int | None = None,
+                 pin_memory: bool | str = "auto", persistent_workers: bool | None = None,
+                 prefetch_factor: int | None = None,
                  preload: bool = True, batch_transform: Callable[[Any], Any] | None = None) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"DigitsDataModule(batch_size={batch_size!r}): batch_size must be >= 1, got {batch_size}")
-        if isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers < 0:
-            raise ValueError(f"DigitsDataModule(num_workers={num_workers!r}): num_workers must be >= 0, "
-                             f"got {num_workers}")
-        check_worker_options(num_workers, persistent_workers, prefetch_factor)
+        self.loader = LoaderOptions(num_workers, pin_memory, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["batch_transform"])
         self.batch_size = batch_size
         self.batch_transform = batch_transform
@@ -82,9 +77,7 @@ class DigitsDataModule(ResumableOrderHooks, pl.LightningDataModule):
             self.train_dataset, self.val_dataset = load_digits_tensors(self.hparams.val_fraction, self.hparams.seed)
 
     def _loader_kwargs(self) -> dict[str, Any]:
-        h = self.hparams
-        return loader_kwargs(resolve_num_workers(h.num_workers, True), resolve_pin_memory(h.pin_memory, self.trainer),
-                             h.persistent_workers, h.prefetch_factor)
+        return self.loader.kwargs(preloaded=True, trainer=self.trainer)
 
     def train_dataloader(self) -> DataLoader:
         # the same draw as shuffle=True, resumable mid-epoch; preload serves a whole batch per tensor index

@@ -8,6 +8,7 @@ sample on the CPU, is several times faster than the textbook ``Dataset`` + ``Dat
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -73,6 +74,36 @@ def loader_kwargs(num_workers: int, pin_memory: bool, persistent_workers: bool,
     if prefetch_factor is not None and num_workers > 0:
         kwargs["prefetch_factor"] = prefetch_factor
     return kwargs
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """The DataLoader options every lit_speed DataModule takes, checked once (``conf/data/loader.yaml`` is this block,
+    composed into every ``data=`` option).
+
+    Args:
+        num_workers: Worker processes, or ``"auto"`` (0 for preloaded tensors, else one per spare core, at most 8).
+        pin_memory: Page-locked host batches; ``"auto"`` pins only when training on CUDA.
+        persistent_workers: Keep workers between epochs; ``None`` = whenever there are workers.
+        prefetch_factor: Batches each worker loads ahead (needs workers); ``None`` = torch's default.
+
+    Raises:
+        ValueError: A ``num_workers`` that is not ``"auto"`` or an int >= 0, or worker-only options without workers.
+    """
+
+    num_workers: int | str = 0
+    pin_memory: bool | str = "auto"
+    persistent_workers: bool | None = None
+    prefetch_factor: int | None = None
+
+    def __post_init__(self) -> None:
+        check_worker_options(self.num_workers, self.persistent_workers, self.prefetch_factor)
+
+    def kwargs(self, preloaded: bool, trainer: Any = None) -> dict[str, Any]:
+        """``DataLoader`` keyword arguments for data that is (or is not) preloaded tensors, on ``trainer``'s device."""
+        workers = resolve_num_workers(self.num_workers, preloaded)
+        persistent = workers > 0 if self.persistent_workers is None else self.persistent_workers
+        return loader_kwargs(workers, resolve_pin_memory(self.pin_memory, trainer), persistent, self.prefetch_factor)
 
 
 class BatchFetch(Dataset):

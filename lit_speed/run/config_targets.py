@@ -90,13 +90,31 @@ def accepted_keys(obj: Callable[..., Any]) -> set[str] | None:
     return {p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
 
 
+def _file_target(path: Path, folders: Sequence[Path], group: str) -> Any:
+    """The ``_target_`` an option file names, itself or through the configs its defaults list composes first (a base
+    in ``conf/base/``, ``/base/<name>@_here_``, or another option of the group)."""
+    node = OmegaConf.load(path)
+    if "_target_" in node:
+        return node.get("_target_")
+    for entry in node.get("defaults") or []:
+        if not isinstance(entry, str) or entry == "_self_" or "@" in entry and not entry.endswith("@_here_"):
+            continue
+        name = entry.split("@")[0]
+        relative = name.lstrip("/") if name.startswith("/") else f"{group}/{name}"
+        for folder in folders:
+            if (folder / f"{relative}.yaml").is_file():
+                return _file_target(folder / f"{relative}.yaml", folders, relative.rsplit("/", 1)[0])
+    return None
+
+
 def option_targets(group: str, folders: Sequence[Path]) -> dict[str, Any]:
-    """``{option: the object its _target_ names}`` for the options of ``group`` on the search path whose own file
-    names a ``_target_`` that imports (the first folder that has an option wins, as in Hydra)."""
+    """``{option: the object its _target_ names}`` for the options of ``group`` on the search path whose file (or
+    the base it composes from) names a ``_target_`` that imports (the first folder that has an option wins, as in
+    Hydra)."""
     found: dict[str, Any] = {}
     for folder in folders:
         for path in sorted((folder / group).glob("*.yaml")):
-            target = OmegaConf.load(path).get("_target_")
+            target = _file_target(path, [*folders, CONFIG_DIR], group)
             if path.stem in found or not isinstance(target, str):
                 continue
             try:

@@ -11,13 +11,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_speed.run.config_error import ConfigError
 
-# callbacks options renamed, old -> new: the old name still composes the same callback under its old key for one release
-RENAMED_CALLBACKS = {"checkpointing": "activation_checkpointing", "early_stopping": "curriculum_early_stopping"}
 
 
 def _short(target: Any) -> str:
@@ -157,19 +154,6 @@ def check_trainer(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.{key}=0: the run would make no optimizer step. Fix: {fix}")
 
 
-def warn_renamed_options(cfg: DictConfig) -> None:
-    """Warn once (rank zero) for each callbacks option chosen by a name that was renamed, naming the new option.
-
-    A callbacks option composes a key named after itself, so the old key under ``callbacks`` means the old name was
-    chosen, wherever that happened (command line, list, experiment file). Hydra has no per-option deprecation hook.
-    """
-    callbacks = cfg.get("callbacks")
-    for old, new in RENAMED_CALLBACKS.items():
-        if isinstance(callbacks, DictConfig) and old in callbacks:
-            rank_zero_deprecation(f"callbacks option {old!r} is deprecated and will be removed in the next release: it "
-                                  f"was renamed {new!r}. Fix: callbacks=[...,{new}] and callbacks.{new}.<key>=<value>")
-
-
 def check_interpolations(cfg: DictConfig) -> None:
     """Every ``${...}`` in the config points at a key that exists (``${hydra:...}``, known only inside the job, and
     values resolved through it are left to the job).
@@ -230,11 +214,10 @@ def check_precision_strategy(cfg: DictConfig) -> None:
 
 
 def check_config(cfg: DictConfig, folders: Sequence[Path] = ()) -> None:
-    """Every config-only check; raises :class:`ConfigError` on the first failure, warns on renamed options.
+    """Every config-only check; raises :class:`ConfigError` on the first failure.
 
     ``folders``: the config search path's folders (``lit_speed.run.config_check.config_folders``), for the fixes.
     """
-    warn_renamed_options(cfg)
     check_data_model(cfg, folders)  # first: a model without its data also leaves ${data.*} interpolations dangling
     check_interpolations(cfg)
     check_precision_strategy(cfg)

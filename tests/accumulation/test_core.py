@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_speed.accumulation import micro_batch as mb
+from lit_speed.oom import is_oom_error
 from lit_speed.accumulation.schedule import (check_divisible, factor_at, factor_for_effective_batch, lr_scale,
                                              validate_schedule, value_at)
 from lit_speed.accumulation.window import (count_items, count_tokens, head_batch, scale_gradients, split_batch,
@@ -127,7 +128,7 @@ def test_window_scale_undoes_ddp_averaging_and_refuses_empty_windows():
     (ValueError("out of memory"), False),
 ])
 def test_is_oom_error_recognises_every_variant(error, expected):
-    assert mb.is_oom_error(error) is expected
+    assert is_oom_error(error) is expected
 
 
 def test_saved_activation_bytes_grow_linearly_with_the_batch():

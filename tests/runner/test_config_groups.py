@@ -1,13 +1,10 @@
 """Every option of every config group composes and instantiates (new option files are picked up automatically)."""
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lit_speed.run.run_checks import RENAMED_CALLBACKS, check_config, warn_renamed_options
 from lit_speed.run.runner import build
 from tests.helpers.repo import CONF
 
@@ -80,72 +77,72 @@ def test_every_option_file_has_a_header_comment(path):
     assert first.startswith("#"), f"{path.relative_to(CONF)} should start with a comment showing how it is used"
 
 
-# -- variants compose from a base ------------------------------------------------------------------------------------
-# each group's base option; every option of the group that builds the base's _target_ (plus EXTRA_MEMBERS) must be
-# `defaults: [<base>, ..., _self_]` + its own keys, so a whole-copy variant or a drifted one fails here
-BASES = {"precision": "32-true", "strategy": "zero", "optimizer": "adamw_base", "trainer": "default"}
-EXTRA_MEMBERS = {"optimizer": ["cpu_adam"]}  # a different _target_ (DeepSpeed's CPU Adam) on AdamW's hyperparameters
+# -- options compose from a base -------------------------------------------------------------------------------------
+# The naming rule: a base is conf/base/<what its options share>.yaml (the snake_case of the class it builds, as module
+# names are: guarded_precision, zero_strategy, accumulation_scheduler, trainer, adamw; loader_options for the loader
+# block). A base is not an option: it composes from nothing and leaves what tells its options apart required (???).
+# Every option that shares its settings is `defaults: [/base/<name>@_here_, ..., _self_]` + its own keys, so a
+# whole-copy variant or a drifted one fails here.
+BASE_DIR = CONF / "base"
+BASES = sorted(p.stem for p in BASE_DIR.glob("*.yaml"))
 
 
 def _file(group: str, option: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))
 
 
-def _members(group: str) -> list[str]:
-    target = _file(group, BASES[group])["_target_"]
-    same = [p.stem for p in sorted((CONF / group).glob("*.yaml")) if _file(group, p.stem).get("_target_") == target
-            or any(d == BASES[group] for d in _file(group, p.stem).get("defaults", []))]
-    return sorted(set(same + EXTRA_MEMBERS.get(group, [])) - {BASES[group]})
+def _base_of(group: str, option: str) -> str | None:
+    entries = [d for d in _file(group, option).get("defaults", []) if isinstance(d, str) and d.startswith("/base/")]
+    return entries[0].removeprefix("/base/").split("@")[0] if entries else None
 
 
-VARIANTS = [(g, o) for g in BASES for o in _members(g)]
+MEMBERS = [(g, p.stem, _base_of(g, p.stem)) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))
+           if _base_of(g, p.stem)]
+# each base, and the options that must compose from it: the group's options that build its class (or, for a base
+# without a class, every option of the group it serves)
+FAMILIES = {"guarded_precision": ("precision", None), "zero_strategy": ("strategy", "ZeroStrategy"),
+            "accumulation_scheduler": ("accumulation", None), "trainer": ("trainer", None),
+            "adamw": ("optimizer", "AdamW"), "loader_options": ("data", None)}
 
 
-def test_every_base_is_a_plain_option():
-    for group, base in BASES.items():
-        assert "defaults" not in _file(group, base), f"{group}/{base}.yaml is a base: it should compose from nothing"
-        assert _members(group), f"no option of {group}/ composes from {base}"
+def test_every_base_is_no_option_composes_from_nothing_and_is_used() -> None:
+    assert sorted(FAMILIES) == BASES, "a base in conf/base/ without a family here, or the reverse"
+    for base in BASES:
+        text = OmegaConf.load(BASE_DIR / f"{base}.yaml")
+        assert "defaults" not in text, f"base/{base}.yaml should compose from nothing"
+        assert len([m for m in MEMBERS if m[2] == base]) >= 2, f"base/{base}.yaml serves fewer than two options"
+    assert not any((CONF / g / f"{b}.yaml").exists() for g in GROUPS for b in ("zero", "adamw_base")), \
+        "an old base is still an option"
 
 
-@pytest.mark.parametrize(("group", "option"), VARIANTS, ids=[f"{g}={o}" for g, o in VARIANTS])
-def test_variant_lists_its_base_first_and_self_last(group, option):
-    defaults = _file(group, option).get("defaults")
-    assert defaults, f"{group}/{option}.yaml should compose from {BASES[group]} (defaults: [{BASES[group]}, _self_])"
-    assert defaults[0] == BASES[group] and defaults[-1] == "_self_", (
-        f"{group}/{option}.yaml: defaults should start with {BASES[group]!r} and end with '_self_' (its own keys win), "
-        f"got {defaults}")
+@pytest.mark.parametrize("base", BASES)
+def test_every_option_of_a_family_composes_from_its_base(base: str) -> None:
+    group, cls = FAMILIES[base]
+    for path in sorted((CONF / group).glob("*.yaml")):
+        target = str(_file(group, path.stem).get("_target_", ""))
+        family = cls is None or target.rsplit(".", 1)[-1] == cls or _base_of(group, path.stem) == base
+        if family and path.stem != "none":
+            assert _base_of(group, path.stem) == base, f"{group}/{path.stem}.yaml should compose from base/{base}"
 
 
-@pytest.mark.parametrize(("group", "option"), VARIANTS, ids=[f"{g}={o}" for g, o in VARIANTS])
-def test_variant_is_its_base_updated_with_its_own_keys(make_cfg, group, option):
-    base = OmegaConf.to_container(make_cfg([f"{group}={BASES[group]}"])[group])  # unresolved: ${...} kept as text
+@pytest.mark.parametrize(("group", "option", "base"), MEMBERS, ids=[f"{g}={o}" for g, o, _ in MEMBERS])
+def test_option_lists_its_base_first_and_self_last(group: str, option: str, base: str) -> None:
+    defaults = _file(group, option)["defaults"]
+    assert defaults[0] == f"/base/{base}@_here_" and defaults[-1] == "_self_", (
+        f"{group}/{option}.yaml: defaults should start with '/base/{base}@_here_' and end with '_self_' (its own keys "
+        f"win), got {defaults}")
+
+
+@pytest.mark.parametrize(("group", "option", "base"), MEMBERS, ids=[f"{g}={o}" for g, o, _ in MEMBERS])
+def test_option_is_its_base_updated_with_its_own_keys(make_cfg, group: str, option: str, base: str) -> None:
+    base_keys = OmegaConf.to_container(OmegaConf.load(BASE_DIR / f"{base}.yaml"))
     own = {k: v for k, v in _file(group, option).items() if k != "defaults"}
-    assert own, f"{group}/{option}.yaml sets nothing of its own: use {group}={BASES[group]}"
-    assert not set(base) <= set(own), f"{group}/{option}.yaml repeats every key of {BASES[group]}: keep those that differ"
-    composed = make_cfg([f"{group}={option}"])[group]
-    assert OmegaConf.to_container(composed) == OmegaConf.to_container(OmegaConf.merge(base, own))
-
-
-# -- renamed options keep working one release ------------------------------------------------------------------------
-RENAMED = sorted(RENAMED_CALLBACKS.items())
-
-
-@pytest.mark.parametrize(("old", "new"), RENAMED, ids=[f"{o}->{n}" for o, n in RENAMED])
-def test_old_callbacks_name_composes_the_new_option_under_its_old_key(make_cfg, old, new):
-    assert _file("callbacks", old)["defaults"] == [f"{new}@{old}"], f"callbacks/{old}.yaml should only compose {new}"
-    old_cfg = make_cfg([f"callbacks=[default,{old}]"]).callbacks
-    new_cfg = make_cfg([f"callbacks=[default,{new}]"]).callbacks
-    assert old in old_cfg and new not in old_cfg and new in new_cfg and old not in new_cfg
-    assert OmegaConf.to_container(old_cfg[old]) == OmegaConf.to_container(new_cfg[new])
-    first_key = next(k for k in new_cfg[new] if k != "_target_")
-    patched = make_cfg([f"callbacks=[{old}]", f"callbacks.{old}.{first_key}=null"]).callbacks
-    assert patched[old][first_key] is None  # overrides written for the old key still apply
-
-
-@pytest.mark.parametrize(("old", "new"), RENAMED, ids=[f"{o}->{n}" for o, n in RENAMED])
-def test_old_callbacks_name_warns_naming_the_new_one(make_cfg, old, new):
-    with pytest.warns(DeprecationWarning, match=rf"callbacks option '{old}' is deprecated .* renamed '{new}'"):
-        check_config(make_cfg([f"callbacks=[default,{old}]"]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        warn_renamed_options(make_cfg([f"callbacks=[default,{new}]"]))  # the new name is quiet
+    assert own or option == "default", f"{group}/{option}.yaml sets nothing of its own"
+    assert not set(base_keys) <= set(own), f"{group}/{option}.yaml repeats every key of base/{base}: keep those that differ"
+    required = [k for k, v in base_keys.items() if v == "???"]
+    assert all(k in own for k in required), f"{group}/{option}.yaml leaves base/{base}'s {required} unset"
+    composed = OmegaConf.to_container(make_cfg([f"{group}={option}"])[group])
+    for key, value in OmegaConf.to_container(OmegaConf.merge(base_keys, own)).items():
+        if isinstance(value, dict):  # a wrapped datamodule's node: its own defaults, updated with these keys
+            value = {k: v for k, v in composed[key].items() if k not in value} | value
+        assert composed[key] == value, f"{group}={option}: {key}={composed[key]!r}, expected {value!r}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_speed.accumulation.micro_batch import is_oom_error
+from lit_speed.oom import is_oom_error
 from lit_speed.monitoring.step_timer import StepTimer
 
 

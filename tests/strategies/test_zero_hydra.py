@@ -29,10 +29,11 @@ def test_strategy_option_builds_a_zero_strategy(make_cfg, option: str) -> None:
 
 def test_yaml_keys_are_the_constructor_arguments(make_cfg) -> None:
     params = set(inspect.signature(ZeroStrategy.__init__).parameters) - {"self", "kwargs"}
-    for option in [*OPTIONS, "zero"]:  # zero.yaml: the base the zero* options compose from, with most of the keys
-        keys = set(yaml.safe_load((ROOT / "conf" / "strategy" / f"{option}.yaml").read_text())) - {"_target_", "defaults"}
+    files = [ROOT / "conf" / "strategy" / f"{option}.yaml" for option in OPTIONS]
+    for path in [*files, ROOT / "conf" / "base" / "zero_strategy.yaml"]:  # the base the options compose from
+        keys = set(yaml.safe_load(path.read_text())) - {"_target_", "defaults"}
         assert keys <= params, keys - params
-    cpu_adam = make_cfg(["optimizer=cpu_adam"]).optimizer  # composed: _partial_ comes from its base, adamw_base
+    cpu_adam = make_cfg(["optimizer=cpu_adam"]).optimizer  # composed: _partial_ comes from its base, base/adamw
     assert cpu_adam["_target_"] == "lit_speed.optim.cpu_adam.CPUAdam" and cpu_adam["_partial_"] is True
 
 
