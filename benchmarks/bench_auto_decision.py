@@ -87,7 +87,7 @@ def main() -> None:
     seconds = [t["seconds"] for t in trials]
     choices = {m: sum(t["chosen"] == m for t in trials) for m in candidates}
     spread = {m: round(max(before[m], after[m]) / min(before[m], after[m]), 3) for m in before}
-    print(f"\nreference (mean of before/after): " + ", ".join(f"{m} {1000 * t:.2f} ms (x{t / ref[fastest]:.3f})"
+    print("\nreference (mean of before/after): " + ", ".join(f"{m} {1000 * t:.2f} ms (x{t / ref[fastest]:.3f})"
                                                            for m, t in ref.items()))
     print(f"decisions: {choices}; regret median x{statistics.median(regrets):.3f}, worst x{max(regrets):.3f} "
           f"(goal <= x1.05); decision time median {statistics.median(seconds):.2f} s, max {max(seconds):.2f} s")

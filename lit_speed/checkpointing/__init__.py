@@ -1,5 +1,5 @@
-"""Atomic, verified checkpoints; robust ``ckpt_path=last``; non-finite reporting (see README, "What happens
-when things go wrong")."""
+"""Atomic, verified checkpoints; robust ``ckpt_path=last``; non-finite reporting (the card: README.md beside this
+file, "Guarantees")."""
 from lit_speed.checkpointing.atomic_checkpoint_io import (
     AtomicCheckpointIO,
     CheckpointWriteError,

@@ -7,7 +7,7 @@ The fit loop keeps its training iterator in ``fit_loop._data_fetcher`` (a ``_Dat
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import lightning.pytorch as pl
 

@@ -270,9 +270,11 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         self.val_dataset: torch.utils.data.Subset | None = None
         self.train_order = ResumableShuffle("charlm")  # resumes mid-epoch through state_dict
 
+    @override
     def prepare_data(self) -> None:
         build_corpus(self.hparams.cache_dir, self.hparams.max_bytes, self.hparams.val_every, self.hparams.root)
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.corpus is not None:
             return
@@ -301,11 +303,13 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
     def _loader_kwargs(self) -> dict[str, Any]:
         return self.loader.kwargs(preloaded=self.hparams.preload, trainer=self.trainer)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         # the same draw as shuffle=True, drop_last=True, resumable mid-epoch; each batch gathered in one index
         sampler = self.train_order.sampler_for(len(self.train_dataset), self.batch_size, True, self.trainer)
         return DataLoader(BatchFetch(self.train_dataset), sampler=sampler, batch_size=None, **self._loader_kwargs())
 
+    @override
     def val_dataloader(self) -> DataLoader:
         kwargs = {**self._loader_kwargs(), "persistent_workers": False}
         return DataLoader(self.val_dataset, batch_size=max(self.batch_size, 64), shuffle=False, **kwargs)

@@ -72,6 +72,7 @@ class DigitsDataModule(ResumableOrderHooks, pl.LightningDataModule):
         self.val_dataset: TensorDataset | None = None
         self.train_order = ResumableShuffle("digits")  # resumes mid-epoch through state_dict
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is None:
             self.train_dataset, self.val_dataset = load_digits_tensors(self.hparams.val_fraction, self.hparams.seed)
@@ -79,12 +80,14 @@ class DigitsDataModule(ResumableOrderHooks, pl.LightningDataModule):
     def _loader_kwargs(self) -> dict[str, Any]:
         return self.loader.kwargs(preloaded=True, trainer=self.trainer)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         # the same draw as shuffle=True, resumable mid-epoch; preload serves a whole batch per tensor index
         sampler = self.train_order.sampler_for(len(self.train_dataset), self.batch_size, False, self.trainer)
         return DataLoader(BatchFetch(self.train_dataset, per_sample=not self.hparams.preload), sampler=sampler,
                           batch_size=None, **self._loader_kwargs())
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_dataset, batch_size=max(self.batch_size, 256), shuffle=False,
                           **self._loader_kwargs())

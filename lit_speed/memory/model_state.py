@@ -34,6 +34,7 @@ class ZeroLayout(NamedTuple):
 STRATEGIES = {"auto": ZeroLayout(), "ddp": ZeroLayout(), "zero1": ZeroLayout(1, deepspeed=True),
               "zero2": ZeroLayout(2, deepspeed=True), "zero2_offload": ZeroLayout(2, True, deepspeed=True),
               "zero3": ZeroLayout(3, deepspeed=True), "zero3_offload": ZeroLayout(3, True, True, deepspeed=True)}
+NO_ZERO = ZeroLayout()  # one process or DDP: a torch optimizer holds the state
 FLOAT32_BYTES = 4
 DEEPSPEED_LOW_BYTES = 2  # DeepSpeed's bf16/fp16 working copies
 
@@ -58,7 +59,7 @@ class ModelStateBytes:
 
 
 def model_state_bytes(n_params: int, precision: str = BASELINE, optimizer_states: float = 2,
-                      layout: ZeroLayout = ZeroLayout(), world_size: int = 1, frozen_params: int = 0
+                      layout: ZeroLayout = NO_ZERO, world_size: int = 1, frozen_params: int = 0
                       ) -> ModelStateBytes:
     """Per-process model-state bytes.
 

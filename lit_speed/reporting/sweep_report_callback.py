@@ -52,7 +52,7 @@ class SweepReportCallback(Callback):
         if job_return.status == JobStatus.FAILED:
             error: BaseException | None = None
             try:
-                job_return.return_value  # re-raises the job's exception (public API; no private field)
+                job_return.return_value  # noqa: B018 - re-raises the job's exception (public API; no private field)
             except Exception as raised:  # noqa: BLE001 - any job error is recorded, none is swallowed by Hydra
                 error = raised
             out = Path(config.hydra.runtime.output_dir)

@@ -13,6 +13,14 @@ from omegaconf import DictConfig, open_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
+#: The docs a user reads: the top README and one card per component package (``lit_speed/<component>/README.md``).
+CARDS = sorted((ROOT / "lit_speed").glob("*/README.md"))
+DOCS = [ROOT / "README.md", *CARDS]
+
+
+def docs_text() -> str:
+    """The README and every card, one after the other (each file's code fences are balanced)."""
+    return "\n".join(path.read_text() for path in DOCS)
 
 
 def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:

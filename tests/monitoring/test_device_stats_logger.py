@@ -20,10 +20,13 @@ from lit_speed.monitoring import METRICS
 from lit_speed.monitoring.samplers import NvmlSampler
 
 
+SGD = partial(torch.optim.SGD, lr=0.01)
+
+
 class Regression(pl.LightningModule):
     """``layers`` square Linear layers of ``width``; optimizer chosen by the test."""
 
-    def __init__(self, width: int, layers: int, optimizer=partial(torch.optim.SGD, lr=0.01),
+    def __init__(self, width: int, layers: int, optimizer=SGD,
                  val_sleep_s: float = 0.0) -> None:
         super().__init__()
         self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])

@@ -16,9 +16,9 @@ import pytest
 from lit_speed.run.config_check import preflight
 
 from lit_speed.run.config_error import ConfigError
-from tests.helpers.repo import ROOT
+from tests.helpers.repo import ROOT, docs_text
 
-README = (ROOT / "README.md").read_text()
+README = docs_text()  # the top README and the component cards
 ENTRY = "scripts/train.py"
 
 

@@ -20,9 +20,9 @@ from lit_speed import AccumulationScheduler, GuardedPrecision
 from lit_speed.run.config_check import preflight
 from lit_speed.data.charlm import CharLMDataModule
 from lit_speed.data.digits import DigitsDataModule
-from tests.helpers.repo import CONF, ROOT
+from tests.helpers.repo import CONF, ROOT, docs_text
 
-README = (ROOT / "README.md").read_text()
+README = docs_text()  # the top README and the component cards
 
 # group -> (the options a README key of the group applies to, as overrides; the component class they build)
 GROUPS = {
