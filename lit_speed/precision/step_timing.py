@@ -18,11 +18,8 @@ decide for good. ``LIT_SPEED_AUTO_CACHE=0`` times afresh (and does not write); d
 from __future__ import annotations
 
 import copy
-import datetime as dt
 import json
 import math
-import os
-import platform
 import statistics
 import time
 import warnings
@@ -37,6 +34,7 @@ from lit_speed.compat import lightning as pl_compat
 from lit_speed.precision import modes as mode_table
 from lit_speed.precision.fp32_modules import cast_floating
 from lit_speed.precision.master_weights import MasterWeights
+from lit_speed.tuning.machine_cache import cache_dir, disk_cache_enabled, hardware, read_json, write_entry
 
 #: A low-precision mode must beat 32-true by this fraction to be chosen. It is also the most a wrong keep of
 #: 32-true can cost: at 0.05, 5 of 20 cold decisions on charlm_fast kept 32-true while bf16-master was 6.6%
@@ -80,8 +78,8 @@ def _timings(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 1
     """
     key = cache_key(module, batch, modes)
     if key not in _CACHE:
-        disk = cache_file() if (use_disk_cache if use_disk_cache is not None else _disk_cache_enabled()) else None
-        entry = _read_disk(disk).get(key) if disk is not None else None
+        disk = cache_file() if (use_disk_cache if use_disk_cache is not None else disk_cache_enabled()) else None
+        entry = read_json(disk).get(key) if disk is not None else None
         if entry is None or not settled(entry):
             with torch.random.fork_rng(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # self.log() outside a loop warns
@@ -89,7 +87,7 @@ def _timings(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 1
             samples = _pool(entry.get("samples") if entry else None, samples)
             entry = {"times": _medians(samples), "samples": samples, "when": None}  # timed in this process
             if disk is not None:
-                _write_disk(disk, key, entry)
+                write_entry(disk, key, {"times": entry["times"], "samples": entry["samples"]}, "precision=auto")
         _CACHE[key] = entry
     return dict(_CACHE[key]["times"]), _CACHE[key].get("when")
 
@@ -119,8 +117,8 @@ def _medians(samples: dict[str, list[float] | None]) -> dict[str, float | None]:
 
 def cached_when(module: nn.Module, batch: Any, modes: Sequence[str]) -> str | None:
     """The date the on-disk cache holds timings for this model/batch/machine from, or ``None``."""
-    disk = cache_file() if _disk_cache_enabled() else None
-    entry = _read_disk(disk).get(cache_key(module, batch, modes)) if disk is not None else None
+    disk = cache_file() if disk_cache_enabled() else None
+    entry = read_json(disk).get(cache_key(module, batch, modes)) if disk is not None else None
     return None if entry is None else str(entry.get("when"))
 
 
@@ -286,57 +284,13 @@ def cache_key(module: nn.Module, batch: Any, modes: Sequence[str]) -> str:
     return json.dumps({
         "procedure": PROCEDURE, "model": f"{type(module).__module__}.{type(module).__qualname__}",
         "params": sum(p.numel() for p in params), "dtypes": sorted({str(p.dtype) for p in params}),
-        "batch": _shapes(batch), "modes": list(modes), "device": str(device), "hardware": _hardware(device),
+        "batch": _shapes(batch), "modes": list(modes), "device": str(device), "hardware": hardware(device),
         "threads": torch.get_num_threads(), "torch": torch.__version__}, sort_keys=True, default=str)
 
 
-def _hardware(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model, flags = "", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = " ".join(f for f in line.split(":", 1)[1].split() if "bf16" in f or f.startswith(("avx", "amx")))
-    except OSError:  # not Linux: the processor string is what there is
-        pass
-    return f"{model or platform.processor()} [{flags}]"
-
-
-def _disk_cache_enabled() -> bool:
-    return os.environ.get("LIT_SPEED_AUTO_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def cache_file() -> Path:
-    """Where ``precision=auto`` keeps its timings on disk."""
-    root = os.environ.get("LIT_SPEED_CACHE_DIR") or \
-        os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lit_speed")
-    return Path(root) / "precision_auto.json"
-
-
-def _read_disk(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):  # missing or damaged: time afresh, and the next write replaces it
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_disk(path: Path, key: str, entry: dict[str, Any]) -> None:
-    """Add one entry (its times and samples, dated today); atomic (write a sibling, then rename), and never
-    fatal: a cache is only a shortcut."""
-    try:
-        data = _read_disk(path)
-        data[key] = {"times": entry["times"], "samples": entry["samples"], "when": dt.date.today().isoformat()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as err:
-        warnings.warn(f"precision=auto could not write its timing cache {path} ({err}); the next run times again. "
-                      f"Fix: set LIT_SPEED_CACHE_DIR to a writable folder, or LIT_SPEED_AUTO_CACHE=0.", stacklevel=2)
+    """Where ``precision=auto`` keeps its timings on disk (the per-machine cache folder of :mod:`lit_speed.tuning`)."""
+    return cache_dir() / "precision_auto.json"
 
 
 def _shapes(batch: Any) -> Any:
