@@ -124,6 +124,7 @@ class DeviceStatsLogger(Callback):
         self._gpu: NvmlSampler | None = None
         self._peak: float | None = self.peak_flops
         self._peak_source = "peak_flops argument" if self.peak_flops else "unknown"
+        self._peak_resolved = False
         self._warmup = True
         self._last_step = 0
         self._samples = self._tokens = 0
@@ -155,8 +156,9 @@ class DeviceStatsLogger(Callback):
         return NvmlSampler(device.index or 0, every_s) if device.type == "cuda" else None
 
     def _resolve_peak(self, trainer: "pl.Trainer") -> None:
-        if self._peak is not None:
+        if self._peak is not None or self._peak_resolved:
             return
+        self._peak_resolved = True
         device = trainer.strategy.root_device
         dtype = compute_dtype(getattr(trainer.precision_plugin, "precision", trainer.precision))
         if device.type == "cuda":
@@ -170,7 +172,6 @@ class DeviceStatsLogger(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._resolve_peak(trainer)
         self._last_step = trainer.global_step
         if self._gpu is not None:
             self._gpu.start()
@@ -181,6 +182,9 @@ class DeviceStatsLogger(Callback):
         if not self._warmup:
             self._timer.mark("batch_start")
             return
+        # the peak of the dtype the step runs in: precision=auto (and threads=auto) decide on the first batch,
+        # before this hook
+        self._resolve_peak(trainer)
         if self.flops_per_batch is None and getattr(pl_module, "flops_per_batch", None):
             self.flops_per_batch = float(pl_module.flops_per_batch)
         if self.measure_flops and self.flops_per_batch is None and contains_compiled(pl_module):

@@ -277,3 +277,18 @@ def test_ddp_two_processes_log_on_rank_zero_with_per_rank_memory(tmp_path):
     assert proc.stdout.count("lit_speed bottleneck") == 1  # the table is printed by rank zero only
     rows = [r for r in read_csv(tmp_path / "csv" / "metrics.csv") if r.get("time/batch_ms")]
     assert [int(r["step"]) for r in rows] == [2, 4, 6]  # one row per interval, not one per rank
+
+
+def test_mfu_divides_by_the_peak_of_the_mode_precision_auto_chose_on_the_first_batch(tmp_path, monkeypatch):
+    # precision=auto runs 32-true until its first-batch timing picks a mode; the peak must be the chosen mode's
+    from lit_speed import GuardedPrecision
+
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.auto_mode_for",
+                        lambda *a, **k: ("bf16-mixed", "stand-in timing"))
+    probed = []
+    monkeypatch.setattr("lit_speed.monitoring.device_stats_logger.measure_cpu_peak_flops",
+                        lambda dtype: probed.append(dtype) or 1e11)
+    stats = DeviceStatsLogger(interval=2)
+    fit(tmp_path, Regression(16, 2), Batches(4, 8, 16), 4, stats, plugins=[GuardedPrecision("auto")])
+    assert probed == [torch.bfloat16] and "bfloat16" in stats.final_summary()["peak_flops_source"]

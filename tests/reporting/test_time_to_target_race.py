@@ -74,16 +74,23 @@ def test_plain_loop_and_lightning_are_checked_at_the_same_tokens_on_the_same_win
 
 def test_summary_takes_medians_over_reached_runs_and_ratios_compare_medians() -> None:
     def run(t: float | None, step: int | None) -> dict:
-        return {"time_to_target_s": t, "target_step": step, "target_tokens": step and step * 768,
-                "best_val_loss": 1.79 if t else 1.85}
+        # one validation above every target, then the first at or below 1.80 (at t seconds), then 1.70 later
+        history = [{"tokens": 768, "step": 1, "wall_s": 1.0, "val_loss": 2.5}]
+        if t is not None:
+            history += [{"tokens": step * 768, "step": step, "wall_s": t, "val_loss": 1.79},
+                        {"tokens": 2 * step * 768, "step": 2 * step, "wall_s": 2 * t, "val_loss": 1.70}]
+        return {"history": history, "best_val_loss": min(h["val_loss"] for h in history)}
 
     runs = {"lit_speed": [run(30, 900), run(34, 1000), run(None, None)],
             "plain_lightning": [run(70, 1600), run(80, 1700), run(75, 1600)]}
-    summary = bench.summarize(runs)
+    summary = bench.summarize(runs, 1.80)
     assert summary["lit_speed"]["reached"] == "2/3" and summary["lit_speed"]["time_to_target_s"]["median"] == 32
     assert summary["plain_lightning"]["steps_to_target"]["median"] == 1600
     assert bench.ratio(summary, "lit_speed", "plain_lightning") == round(32 / 75, 3)
     assert bench.ratio(summary, "lit_speed", "missing") is None
+    lower = bench.summarize(runs, 1.70)  # a lower target, read from the same histories
+    assert lower["lit_speed"]["time_to_target_s"]["median"] == 64 and lower["plain_lightning"]["reached"] == "3/3"
+    assert bench.summarize(runs, 1.60)["lit_speed"]["time_to_target_s"] is None
 
 
 def test_lit_speed_variant_is_the_preset_command_with_the_shared_instrument() -> None:
