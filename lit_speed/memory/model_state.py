@@ -78,7 +78,7 @@ def model_state_bytes(n_params: int, precision: str = BASELINE, optimizer_states
 
     Example::
 
-        model_state_bytes(1_000_000, "bf16-mixed", 2, STRATEGIES["zero2"], world_size=4).device
+        model_state_bytes(1_000_000, optimizer_states=2, layout=STRATEGIES["zero2"], world_size=4).device
     """
     mode = spec(precision)
     stage, offload_optimizer, offload_parameters, deepspeed = layout
