@@ -57,8 +57,11 @@ def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool = False) -> float |
 
 @functools.lru_cache(maxsize=None)
 def _cached_cpu_peak(dtype: torch.dtype, threads: int, size: int, seconds: float) -> float:
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    # a generator of its own: the probe may run mid-training (the first batch), where drawing from the global RNG
+    # would move dropout and shuffling away from the uninterrupted run's
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(dtype)
+    b = torch.randn(size, size, generator=gen).to(dtype)
     flops = 2.0 * size**3
     torch.mm(a, b)  # warm-up: first call allocates and picks the kernel
     best = float("inf")

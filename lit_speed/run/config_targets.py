@@ -141,20 +141,24 @@ def check_target_node(node: DictConfig, where: str, folders: Sequence[Path] = ()
     if keys is None:
         return
     raw = OmegaConf.to_container(node, resolve=False)
-    for key in raw:
-        key = str(key)
-        if key.startswith("_") or key in keys:
-            continue
-        name = target.rsplit(".", 1)[-1]
-        group = where.split(".", 1)[0]
-        others = [o for o in _options_taking(group, key, folders)] if "." not in where else []
-        alternative = f", or {group}=<{' | '.join(others)}> (takes it)" if others else ""
-        shown = ", ".join(sorted(k for k in keys if k not in ("self", "params")))
-        kept = (f" (the preset's other {group} settings, e.g. its lr, stay: check them)"
-                if group == "optimizer" else "")
-        raise ConfigError(f"{where}.{key}={raw[key]}: {name} takes no argument {key!r} (it takes: {shown}); a preset "
-                          f"or the option whose _target_ was replaced sets it. Fix: ~{where}.{key} to drop it"
-                          f"{kept}{alternative}")
+    unknown = [str(key) for key in raw if not str(key).startswith("_") and str(key) not in keys]
+    if not unknown:
+        return
+    name = target.rsplit(".", 1)[-1]
+    group = where.split(".", 1)[0]
+    taking = [set(_options_taking(group, key, folders)) for key in unknown] if "." not in where else []
+    others = sorted(set.intersection(*taking)) if taking else []
+    one = len(unknown) == 1
+    alternative = f", or {group}=<{' | '.join(others)}> (takes {'it' if one else 'them'})" if others else ""
+    shown = ", ".join(sorted(k for k in keys if k not in ("self", "params")))
+    kept = (f" (the preset's other {group} settings, e.g. its lr, stay: check them)"
+            if group == "optimizer" else "")
+    settings = ", ".join(f"{where}.{key}={raw[key]}" for key in unknown)
+    args = f"argument {unknown[0]!r}" if one else f"arguments {', '.join(map(repr, unknown))}"
+    drops = " ".join(f"~{where}.{key}" for key in unknown)
+    raise ConfigError(f"{settings}: {name} takes no {args} (it takes: {shown}); a preset or the option whose "
+                      f"_target_ was replaced sets {'it' if one else 'them'}. Fix: {drops} to drop "
+                      f"{'it' if one else 'them'}{kept}{alternative}")
 
 
 def check_built_groups(cfg: DictConfig, folders: Sequence[Path] = ()) -> None:

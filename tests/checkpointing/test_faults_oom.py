@@ -49,9 +49,11 @@ def test_out_of_memory_with_accumulation_recovers_by_halving_the_micro_batch(tmp
     import subprocess
 
     # activations dominate: a 1024-sample micro-batch through an 8192-wide layer needs more than the
-    # 150 MiB headroom, the weights (0.6M parameters) need 10 MB with AdamW state
+    # 150 MiB headroom, the weights (0.6M parameters) need 10 MB with AdamW state. No validation: its one batch of
+    # 359 samples through the same layer sits at the same limit, and validation is not what recovers here (it failed
+    # now and then, depending on how fragmented the address space was after training)
     overrides = ["model.hidden=8192", "model.depth=1", "data.batch_size=1024", "accumulation=fixed",
-                 "accumulation.factors=[[0,1]]", "trainer.max_epochs=1", "trainer.limit_val_batches=1",
+                 "accumulation.factors=[[0,1]]", "trainer.max_epochs=1", "trainer.limit_val_batches=0",
                  "trainer.enable_progress_bar=false", "callbacks=[model_checkpoint,fault_tolerance]", "logger=none",
                  "validate=false"]
     child_env = {**env(), "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}

@@ -292,3 +292,12 @@ def test_mfu_divides_by_the_peak_of_the_mode_precision_auto_chose_on_the_first_b
     stats = DeviceStatsLogger(interval=2)
     fit(tmp_path, Regression(16, 2), Batches(4, 8, 16), 4, stats, plugins=[GuardedPrecision("auto")])
     assert probed == [torch.bfloat16] and "bfloat16" in stats.final_summary()["peak_flops_source"]
+
+
+def test_the_cpu_peak_probe_draws_nothing_from_the_global_rng():
+    # it runs at the first training batch: a draw there would move a resumed run away from the uninterrupted one
+    from lit_speed.monitoring.flops import measure_cpu_peak_flops
+
+    state = torch.get_rng_state()
+    measure_cpu_peak_flops(torch.float32, size=96, seconds=0.01)
+    assert torch.equal(state, torch.get_rng_state())

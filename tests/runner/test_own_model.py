@@ -120,8 +120,11 @@ def test_a_misspelt_group_name_is_named(importable):
 # command line -> the one line the pre-flight refuses it with (the setting and the fix)
 REFUSALS = {
     "data=teacher model._target_=my_project.regressor.ResidualMLPRegressor":  # mlp's keys stay with the new class
-        r"^model\.num_classes=10: ResidualMLPRegressor takes no argument 'num_classes' \(it takes: depth, in_features, "
-        r"optimizer, width\).*Fix: ~model\.num_classes to drop it, or model=<mlp> \(takes it\)$",
+        r"^model\.num_classes=10, model\.hidden=256, model\.dropout=0\.1, model\.weight_decay=0\.0, "
+        r"model\.scheduler=None: ResidualMLPRegressor takes no arguments 'num_classes', 'hidden', 'dropout', "
+        r"'weight_decay', 'scheduler' \(it takes: depth, in_features, optimizer, width\).*Fix: ~model\.num_classes "
+        r"~model\.hidden ~model\.dropout ~model\.weight_decay ~model\.scheduler to drop them, or model=<mlp> "
+        r"\(takes them\)$",
     "model=residual_mlp data=charlm":  # a pair that does not fit, from what the classes declare
         r"^data \(CharLMDataModule\) does not fit model \(ResidualMLPRegressor\): it yields 'tokens->next-token' "
         r"batches, ResidualMLPRegressor takes 'features->value'\. Fix: model=gpt, or data=teacher",
