@@ -31,13 +31,21 @@ def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                             "cores": os.cpu_count()}
     try:
+        fields: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
-        info["cpu_bf16_flags"] = sorted({f for f in flags.split() if "bf16" in f or f.startswith("amx")})
-    except (OSError, StopIteration):
+            key, _, value = line.partition(":")
+            if not line.strip():
+                break  # the first processor's block describes the model
+            fields.setdefault(key.strip(), value.strip())
+        info["cpu"] = fields["model name"]
+        # family/model/stepping tell CPU generations apart where the model name does not ("AMD EPYC" on Zen3-5)
+        info["cpu_id"] = {k.replace("cpu ", ""): fields.get(k) for k in ("vendor_id", "cpu family", "model", "stepping")}
+        flags = fields.get("flags", "").split()
+        info["cpu_bf16_flags"] = sorted({f for f in flags if "bf16" in f or f.startswith("amx")})
+        # the flags that decide kernel speed here: vector width, bf16/fp16/int8 dot products, matrix units
+        info["cpu_flags"] = sorted({f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))
+                                    or "bf16" in f or "vnni" in f})
+    except (OSError, KeyError):
         info["cpu"] = platform.processor()
     try:
         import psutil
