@@ -77,3 +77,41 @@ def test_the_linter_ci_runs_passes() -> None:
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def _levers_snippet() -> str:
+    section = README.split("### The fast preset's levers in your own module", 1)[1]
+    return section.split("```python", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_levers_run_and_carry_the_presets_values() -> None:
+    """The README's copy-the-levers snippet runs on a module of the user's own and matches experiment=charlm_fast."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from torch import nn
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=charlm_fast"])
+    namespace: dict = {"Trainer": lambda **kwargs: kwargs}
+    exec(compile(_levers_snippet(), "README.md", "exec"), namespace)  # noqa: S102 - our own README's code
+
+    class Users(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding, self.hidden = nn.Embedding(10, 8), nn.Linear(8, 8)
+
+    out = namespace["configure_optimizers"](Users())
+    muon, adamw = out["optimizer"].muon.param_groups[0], out["optimizer"].adamw.param_groups[0]
+    assert (muon["initial_lr"], muon["momentum"], adamw["initial_lr"]) == (cfg.optimizer.lr, cfg.optimizer.momentum,
+                                                           cfg.optimizer.adamw_lr)
+    from lit_speed.optim.schedules import warmup_stable_decay
+
+    preset = warmup_stable_decay(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0),
+                                 total_steps=cfg.trainer.max_steps,
+                                 **{k: v for k, v in cfg.model.scheduler.items() if not k.startswith("_")})
+    readme = out["lr_scheduler"]["scheduler"]
+    for step in (0, 10, 100, 200, 300, 374, 1000):  # the README's schedule is the preset's, step by step
+        assert readme.lr_lambdas[0](step) == preset.lr_lambdas[0](step), step
+    trainer = namespace["trainer"]
+    assert trainer["plugins"][0].requested_mode == cfg.precision.mode
+    assert trainer["callbacks"][0].effective_batch == {int(k): int(v) for k, v in cfg.accumulation.effective_batch}
