@@ -54,4 +54,9 @@ if __name__ == "__main__":
     except ConfigError as error:
         print(f"Config error: {error}", file=sys.stderr)
         sys.exit(2)
-    main()
+    try:
+        main()
+    finally:
+        from lit_speed.run.launch_env import release_process_group
+
+        release_process_group()  # gloo's threads left to the interpreter's exit can abort it (SIGABRT) after a good run

@@ -36,3 +36,16 @@ def share_run_time(timeout_s: float = 120.0) -> str | None:
     stamp = store.get(key).decode()  # blocks until rank 0 has set it
     env[RUN_TIME_ENV] = stamp
     return stamp
+
+
+def release_process_group() -> None:
+    """Destroy the default process group, if this process has one, before the interpreter exits.
+
+    Lightning keeps the group after ``fit`` (a ``test`` may follow); at exit, gloo's worker threads are then torn
+    down by static destructors, which now and then aborts a run that finished well ("terminate called without an
+    active exception", exit -6). Every rank calls this once its work is done, so no collective is cut short.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -51,6 +51,8 @@ def main(out: Path) -> None:
               "allowed": {str(gb): s.order[: s.n_allowed(gb)].tolist() for gb in (0, PACE)},
               "sampler_kept": isinstance(trainer.train_dataloader.sampler, CurriculumSampler)}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    if torch.distributed.is_initialized():  # leave no gloo threads to the interpreter's exit
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

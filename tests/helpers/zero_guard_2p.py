@@ -68,6 +68,8 @@ def main() -> None:
         "changed": module.changed, "skipped": guard.counters.skipped_steps,
         "schedule_steps": module.scheduler.last_epoch,
         "weights": [p.detach().flatten().tolist() for p in module.parameters()]}))
+    if torch.distributed.is_initialized():  # leave no gloo threads to the interpreter's exit (it aborted 1 in ~14)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
