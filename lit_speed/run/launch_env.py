@@ -41,9 +41,10 @@ def share_run_time(timeout_s: float = 120.0) -> str | None:
 def release_process_group() -> None:
     """Destroy the default process group, if this process has one, before the interpreter exits.
 
-    Lightning keeps the group after ``fit`` (a ``test`` may follow); at exit, gloo's worker threads are then torn
-    down by static destructors, which now and then aborts a run that finished well ("terminate called without an
-    active exception", exit -6). Every rank calls this once its work is done, so no collective is cut short.
+    Lightning keeps the group after ``fit`` (a ``test`` may follow). A 2-process ZeRO run that had finished aborted
+    at interpreter exit once in ~14 ("terminate called without an active exception", exit -6), most likely gloo's
+    worker threads torn down by static destructors; destroying the group first joins them. Every rank calls this
+    once its work is done, so no collective is cut short.
     """
     import torch.distributed as dist
 

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, 
 from lit_speed.data.charlm import CharLMDataModule  # noqa: E402
 from lit_speed.models.gpt import GPTModule  # noqa: E402
 from lit_speed.strategies.memory_estimate import measured_optimizer_state_bytes  # noqa: E402
+from lit_speed.run.launch_env import release_process_group  # noqa: E402
 
 CORPUS_BYTES = 200_000
 
@@ -150,8 +151,7 @@ def main(argv: list[str] | None = None) -> None:
               "optimizer_state_bytes": measured_optimizer_state_bytes(trainer.optimizers[0]),
               "num_params": sum(p.numel() for p in model.parameters())}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():  # leave no gloo threads to the interpreter's exit
-        torch.distributed.destroy_process_group()
+    release_process_group()  # leave no gloo threads to the interpreter's exit (as scripts/train.py)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lit_speed.precision.guarded_precision import GuardedPrecision  # noqa: E402
 from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402
+from lit_speed.run.launch_env import release_process_group  # noqa: E402
 
 NAN_STEP, STEPS = 2, 5
 
@@ -68,8 +69,7 @@ def main() -> None:
         "changed": module.changed, "skipped": guard.counters.skipped_steps,
         "schedule_steps": module.scheduler.last_epoch,
         "weights": [p.detach().flatten().tolist() for p in module.parameters()]}))
-    if torch.distributed.is_initialized():  # leave no gloo threads to the interpreter's exit (it aborted 1 in ~14)
-        torch.distributed.destroy_process_group()
+    release_process_group()  # leave no gloo threads to the interpreter's exit (as scripts/train.py)
 
 
 if __name__ == "__main__":
