@@ -30,13 +30,10 @@ def machine() -> dict[str, Any]:
     """CPU model, cores, memory, GPU (if any) and whether the CPU has native bf16 kernels."""
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                             "cores": os.cpu_count()}
+    from lit_speed.tuning.machine_cache import cpuinfo
+
+    fields = cpuinfo()
     try:
-        fields: dict[str, str] = {}
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if not line.strip():
-                break  # the first processor's block describes the model
-            fields.setdefault(key.strip(), value.strip())
         info["cpu"] = fields["model name"]
         # family/model/stepping tell CPU generations apart where the model name does not ("AMD EPYC" on Zen3-5)
         info["cpu_id"] = {k.replace("cpu ", ""): fields.get(k) for k in ("vendor_id", "cpu family", "model", "stepping")}
@@ -45,7 +42,7 @@ def machine() -> dict[str, Any]:
         # the flags that decide kernel speed here: vector width, bf16/fp16/int8 dot products, matrix units
         info["cpu_flags"] = sorted({f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))
                                     or "bf16" in f or "vnni" in f})
-    except (OSError, KeyError):
+    except KeyError:  # not Linux: the processor string is what there is
         info["cpu"] = platform.processor()
     try:
         import psutil

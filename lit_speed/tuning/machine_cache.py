@@ -19,20 +19,28 @@ from typing import Any
 import torch
 
 
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields of ``/proc/cpuinfo`` (``model name``, ``cpu family``, ``flags``, ...); ``{}``
+    where there is no such file (not Linux)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break  # the first processor's block describes the model
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
 def hardware(device: torch.device | None = None) -> str:
     """The CPU model and the flags that decide low-precision speed (or the CUDA device's name)."""
     if device is not None and device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model, flags = "", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = " ".join(f for f in line.split(":", 1)[1].split() if "bf16" in f or f.startswith(("avx", "amx")))
-    except OSError:  # not Linux: the processor string is what there is
-        pass
-    return f"{model or platform.processor()} [{flags}]"
+    info = cpuinfo()
+    flags = " ".join(f for f in info.get("flags", "").split() if "bf16" in f or f.startswith(("avx", "amx")))
+    return f"{info.get('model name') or platform.processor()} [{flags}]"  # not Linux: the processor string
 
 
 def machine_key(device: torch.device | None = None) -> dict[str, Any]:
