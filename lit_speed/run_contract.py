@@ -134,6 +134,16 @@ class EndOfRunReport(Protocol):
 
 
 @runtime_checkable
+class PhaseTimer(Protocol):
+    """A component that spends wall time outside the training steps and says how much (``{phase: seconds}``),
+    e.g. ``{"export": 41.2}`` or ``{"checkpoints": 3.1}``: ``summary.json``'s time split takes it out of the
+    training time. Asked of the callbacks, the strategy and its checkpoint IO after fit."""
+
+    def phase_seconds(self) -> Mapping[str, float]:
+        """Seconds spent so far in each phase this component owns."""
+
+
+@runtime_checkable
 class BatchSource(Protocol):
     """A DataModule that names the kind of batch it yields, as ``"<inputs>-><targets>"``.
 

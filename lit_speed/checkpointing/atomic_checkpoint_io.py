@@ -11,6 +11,7 @@ import io
 import logging
 import os
 import shutil
+import time
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -236,10 +237,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         super().__init__()
         self.keep_previous = keep_previous
         self.verify = verify
+        self.write_seconds = 0.0  # serialising + writing + verifying, for summary.json's time split
+
+    def phase_seconds(self) -> dict[str, float]:
+        """``{"checkpoints": seconds}`` spent in :meth:`save_checkpoint` (lit_speed.run_contract.PhaseTimer)."""
+        return {"checkpoints": self.write_seconds}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path,
                         storage_options: Optional[Any] = None) -> None:
+        start = time.perf_counter()
+        try:
+            self._save_checkpoint(checkpoint, path, storage_options)
+        finally:
+            self.write_seconds += time.perf_counter() - start
+
+    def _save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Optional[Any]) -> None:
         if storage_options is not None or not _is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return

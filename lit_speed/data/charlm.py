@@ -265,6 +265,7 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         self.batch_transform = batch_transform
         self.batch_size = batch_size
         self.block_size = block_size
+        self.max_val_windows = max_val_windows
         self.corpus: Corpus | None = None
         self.train_dataset: TokenWindows | None = None
         self.val_dataset: torch.utils.data.Subset | None = None
@@ -286,10 +287,14 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         if self.hparams.preload:
             train_tokens, val_tokens = torch.from_numpy(np.array(train_tokens)), torch.from_numpy(np.array(val_tokens))
         self.train_dataset = TokenWindows(train_tokens, self.block_size, self.hparams.train_stride)
-        val = TokenWindows(val_tokens, self.block_size)
-        # evenly spaced windows across the whole validation text, not just its head
-        idx = np.linspace(0, len(val) - 1, num=min(len(val), self.hparams.max_val_windows)).round().astype(int)
-        self.val_dataset = torch.utils.data.Subset(val, np.unique(idx).tolist())
+        self._val_windows = TokenWindows(val_tokens, self.block_size)
+        self.val_dataset = self._val_subset(self.max_val_windows)
+
+    def _val_subset(self, count: int) -> torch.utils.data.Subset:
+        """``count`` windows evenly spaced across the whole validation text, not just its head."""
+        val = self._val_windows
+        idx = np.linspace(0, len(val) - 1, num=min(len(val), count)).round().astype(int)
+        return torch.utils.data.Subset(val, np.unique(idx).tolist())
 
     def unigram_baseline(self) -> float:
         """Validation loss (nats/char) of a model that knows only the training text's character frequencies."""

@@ -6,6 +6,7 @@ the adapters only, and the library (Hugging Face ``peft``) does the math. The fu
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,7 +18,7 @@ from typing_extensions import override
 
 from lit_speed.finetune.adapters import (ALL_LINEAR, METHODS, add_adapters, drop_frozen_from_optimizer,
                                          frozen_fingerprint, parameter_counts)
-from lit_speed.finetune.export import export_merged
+from lit_speed.finetune.export import EXPORT_FORMATS, export_merged
 
 ADAPTERS_ONLY_KEY = "adapters_only"  # top-level checkpoint key: the state_dict holds the trainable tensors only
 
@@ -44,9 +45,11 @@ class PEFTAdapters(Callback):
         options: More arguments of the ``peft`` config class (``{use_rslora: true}``, ``{init_weights: gaussian}``).
         adapters_only_checkpoints: Checkpoints hold the trainable tensors only (plus optimizer, loops, and the
             fingerprint of the frozen base they belong to); ``False`` keeps full checkpoints.
-        export: After fit, write the merged model into ``export_dir`` (``model.pt``, and ``hf/`` for a Hugging Face
-            model). Not under ZeRO stage 3 (parameters are partitioned): refused at setup.
+        export: After fit, write the merged model (float32) into ``export_dir``. Not under ZeRO stage 3
+            (parameters are partitioned): refused at setup.
         export_dir: Folder for the export; ``None`` = ``<trainer.default_root_dir>/merged``.
+        export_format: ``auto`` (a ``save_pretrained`` folder ``hf/`` for a Hugging Face model, else ``model.pt``),
+            ``hf`` or ``state_dict``: one format, written once (see :func:`~lit_speed.finetune.export.export_merged`).
 
     Raises:
         ValueError: An unknown method, a rank < 1, targets that match nothing (listing the module names and classes
@@ -60,7 +63,7 @@ class PEFTAdapters(Callback):
     def __init__(self, method: str = "lora", target_modules: Sequence[str] = (ALL_LINEAR,), r: int = 8,
                  alpha: float = 16.0, dropout: float = 0.0, trainable_modules: Sequence[str] = (),
                  options: dict[str, Any] | None = None, adapters_only_checkpoints: bool = True, export: bool = True,
-                 export_dir: str | None = None) -> None:
+                 export_dir: str | None = None, export_format: str = "auto") -> None:
         if method not in METHODS:
             raise ValueError(f"PEFTAdapters(method={method!r}): unknown method. "
                              f"Fix: method=<one of {', '.join(METHODS)}>")
@@ -70,6 +73,10 @@ class PEFTAdapters(Callback):
             trainable_modules = [trainable_modules]
         if method != "freeze" and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
             raise ValueError(f"PEFTAdapters(r={r!r}): the adapter rank must be an int >= 1. Fix: r=8 (4-64 is usual)")
+        if export_format not in EXPORT_FORMATS:
+            raise ValueError(f"PEFTAdapters(export_format={export_format!r}): must be one of "
+                             f"{', '.join(EXPORT_FORMATS)}. Fix: export_format=auto (hf/ for a Hugging Face model, "
+                             "else model.pt)")
         if not 0.0 <= float(dropout) < 1.0:
             raise ValueError(f"PEFTAdapters(dropout={dropout!r}): must be in [0, 1). Fix: dropout=0.05")
         self.method, self.r, self.alpha, self.dropout = method, r, float(alpha), float(dropout)
@@ -77,7 +84,8 @@ class PEFTAdapters(Callback):
         self.trainable_modules = list(trainable_modules)
         self.options = dict(options or {})
         self.adapters_only_checkpoints = bool(adapters_only_checkpoints)
-        self.export, self.export_dir = bool(export), export_dir
+        self.export, self.export_dir, self.export_format = bool(export), export_dir, export_format
+        self.export_seconds: float | None = None
         self.targets: list[str] = []
         self.trainable_names: list[str] = []
         self.counts: tuple[int, int] | None = None
@@ -172,7 +180,9 @@ class PEFTAdapters(Callback):
         out = Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "merged"
         # the tokenizer goes next to a Hugging Face model: the module's own, else the one the data was tokenized with
         tokenizer = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
-        self.exported = export_merged(pl_module, out, tokenizer)
+        start = time.perf_counter()
+        self.exported = export_merged(pl_module, out, tokenizer, self.export_format)
+        self.export_seconds = round(time.perf_counter() - start, 3)
         rank_zero_info(f"PEFTAdapters: merged model written to {out} ({', '.join(sorted(self.exported))})")
 
     # ---- reports ------------------------------------------------------------------------------------------
@@ -189,8 +199,12 @@ class PEFTAdapters(Callback):
                                             f"{total - trainable:,} frozen")
         return rows
 
+    def phase_seconds(self) -> dict[str, float]:
+        """``{"export": seconds}`` of the merged export (lit_speed.run_contract.PhaseTimer)."""
+        return {"export": self.export_seconds or 0.0}
+
     def final_summary(self) -> dict[str, Any]:
         trainable, total = self.counts or (0, 0)
         return {"method": self.method, "target_modules": len(self.targets), "trainable_params": trainable,
                 "total_params": total, "base_fingerprint": self.base_fingerprint, "exported": self.exported,
-                "frozen_dropped_from_optimizer": self.dropped_from_optimizer}
+                "export_s": self.export_seconds, "frozen_dropped_from_optimizer": self.dropped_from_optimizer}

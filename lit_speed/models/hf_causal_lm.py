@@ -68,6 +68,9 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
                 "not a local folder, and not fetched from the hub (offline, or no such id)"
             raise ValueError(f"{owner}: {where} ({' '.join(str(error).split())[:200]}). Fix: model.pretrained=<a "
                              "save_pretrained folder>, or a hub id with network access") from None
+        # from_pretrained hands the model back in eval mode and Lightning keeps module modes (it only restores them
+        # around validation): without this the model would train with its dropout silently off
+        self.model.train()
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
 

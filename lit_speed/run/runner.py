@@ -63,8 +63,10 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     # a model that takes no `optimizer` argument, or whose config sets its own, builds its own optimizer
     takes_optimizer = model_takes_optimizer(cfg.model)
     optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if takes_optimizer else None
+    loading = time.perf_counter()
     model: pl.LightningModule = hydra.utils.instantiate(cfg.model, **({"optimizer": optimizer} if takes_optimizer
                                                                        else {}))
+    phases = {"model_load": time.perf_counter() - loading}
     # the model knows which metric it reports, or the user's callback configs name one; the config may override it;
     # with none of them, RunPlanCheck chooses one from the metrics the first validation logs
     declared = (model.monitor, model.monitor_mode) if isinstance(model, MonitoredModel) and model.monitor \
@@ -91,9 +93,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     # init (weights) before peft (adapters on the loaded base), both before every other callback
     callbacks = [*_instantiate_group(cfg.get("init")), *_instantiate_group(cfg.get("peft")),
                  *_instantiate_group(cfg.get("callbacks")), *_instantiate_group(cfg.get("accumulation"))]
+    preparing = time.perf_counter()
     for part in callbacks:  # before the table and the optimizer: the table shows the model that trains
         if isinstance(part, ModelPreparer):
             part.prepare_model(model)
+    phases["model_prepare"] = time.perf_counter() - preparing
     safety_net = None
     if not any(isinstance(cb, FaultTolerance) for cb in callbacks):
         # a scheduler's SIGTERM must never lose the whole run: saving on a signal costs nothing until one comes
@@ -115,7 +119,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     )
     return {"datamodule": datamodule, "model": model, "trainer": trainer, "run_summary": run_summary,
             "callbacks": callbacks, "loggers": loggers, "plugins": plugins, "optimizer": optimizer, "cfg": cfg,
-            "safety_net": safety_net}
+            "safety_net": safety_net, "phases": phases}
 
 
 def _accumulation_factor(trainer: pl.Trainer, callbacks: list[Any]) -> int:
@@ -256,14 +260,19 @@ def _refusals_as_config_errors(before_training: Callable[[], bool], paths: dict[
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict."""
     t0 = time.perf_counter()
+    before = {"startup": seconds_since_launch()}  # imports, Hydra's composition, the pre-flight
     paths = config_paths(cfg)
     with _refusals_as_config_errors(lambda: True, paths):
         check_config(cfg)  # the config alone: before anything is built
         check_activation_memory(cfg)  # probes a short-context copy of the model
+        before["checks"] = time.perf_counter() - t0
+        building = time.perf_counter()
         parts = build(cfg)
         cfg = parts["cfg"]  # with the model's monitor filled in
         trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
         rows = startup_rows(cfg, parts)
+        before.update(parts["phases"])
+        before["build"] = time.perf_counter() - building - sum(parts["phases"].values())
     print_table("lit_speed run", rows)
 
     # a refusal raised while the Trainer sets up (strategy, precision, data, checkpoint) is a config error;
@@ -272,6 +281,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # ckpt_path=last -> the newest checkpoint that verifies (damaged ones are skipped with a warning)
         ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), trainer)
         check_checkpoint_matches(ckpt_path, model, parts["optimizer"])
+        parts["run_summary"].fit_called_at = time.perf_counter()
         try:
             trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
         except BaseException as error:  # interrupted or failed: what was done is still written down
@@ -280,19 +290,34 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 raise RunStopped(write_failure_message(error, trainer), exit_code=74) from error  # EX_IOERR
             raise
     summary = parts["run_summary"].summary(trainer)
+    after: dict[str, float] = {}
     if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run:
+        validating = time.perf_counter()
         val = trainer.validate(model, datamodule=dm, verbose=False)
         summary["final_val"] = {k: float(v) for k, v in (val[0] if val else {}).items()}
+        after["final_validation"] = time.perf_counter() - validating
     extras = workload_extras(parts)
     summary.update({extra.key: extra.value for extra in extras})
     components = component_summaries(parts)  # loss scale, verdicts, stop reason, ...
     if components:
         summary["components"] = components
     summary["total_wall_time_s"] = round(time.perf_counter() - t0, 3)
+    split = {**before, **summary["time_split_s"], **after}
+    # what no phase names: the fit's own bookkeeping outside its hooks, the summary's component reports
+    split["other"] = max(before["startup"] + summary["total_wall_time_s"] - sum(split.values()), 0.0)
+    summary["time_split_s"] = {k: round(v, 3) for k, v in split.items()}
+    summary["launch_to_end_s"] = round(before["startup"] + summary["total_wall_time_s"], 3)
     summary["startup"] = rows
     summary["config"] = OmegaConf.to_container(cfg, resolve=True)
     write_summary(cfg, trainer, summary, extras)
     return summary
+
+
+def seconds_since_launch() -> float:
+    """Seconds since this process started (the kernel's start time, so imports and Hydra count too)."""
+    import psutil
+
+    return max(time.time() - psutil.Process().create_time(), 0.0)
 
 
 def _write_stopped_summary(cfg: DictConfig, parts: dict[str, Any], rows: dict[str, str], error: BaseException,
@@ -329,6 +354,7 @@ def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any],
     out = Path(cfg.paths.output_dir)
     rows = {
         "wall time (fit)": f"{summary['fit_wall_time_s']:.1f} s ({summary['train_time_s']:.1f} s training)",
+        "launch to end": time_split_row(summary),
         "throughput": f"{summary['samples_per_sec']:,.0f} samples/s"
         + (f", {summary['tokens_per_sec']:,.0f} tokens/s" if summary.get("tokens_per_sec") else ""),
         "peak memory (RSS)": f"{summary['peak_rss_bytes'] / 2**20:,.0f} MiB",
@@ -345,6 +371,15 @@ def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any],
             rows.update({str(k): str(v) for k, v in part.end_rows().items()})
     rows["summary"] = str(out / "summary.json")
     print_table("lit_speed summary", rows)
+
+
+def time_split_row(summary: dict[str, Any]) -> str:
+    """``"129.9 s: training 45.2, export 48.0, ..."``: the phases of ``summary["time_split_s"]`` that took at
+    least 0.1 s, longest first."""
+    split = summary.get("time_split_s", {})
+    shown = sorted(((k, v) for k, v in split.items() if v >= 0.1), key=lambda kv: -kv[1])
+    return f"{summary.get('launch_to_end_s', 0.0):.1f} s: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
+                                                                       for k, v in shown)
 
 
 def optimized_metric(cfg: DictConfig, summary: dict[str, Any]) -> float | None:

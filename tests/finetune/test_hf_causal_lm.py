@@ -2,6 +2,8 @@
 LoRA on it, a merged save_pretrained folder that transformers loads alone with the same outputs."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -133,3 +135,103 @@ def test_hf_lora_under_bf16_master_with_device_stats_and_fault_tolerance(make_cf
     assert evidence["flops_per_sec"] > 0 and 0 < evidence["mfu"] < 1  # FLOPs counted on the HF model's first batch
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["adapters_only"] and all(v.dtype == torch.float32 for v in ckpt["state_dict"].values())  # masters
+
+
+def _dropout_probe():
+    import lightning.pytorch as pl
+
+    class Probe(pl.Callback):
+        def __init__(self):
+            self.train_modes, self.val_modes, self.dropouts = set(), set(), 0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            found = [m.training for m in pl_module.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+            self.dropouts = len(found)
+            self.train_modes.update(found)
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            self.val_modes.update(m.training for m in pl_module.modules() if isinstance(m, torch.nn.Dropout))
+
+    return Probe()
+
+
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_a_pretrained_hf_model_trains_with_its_dropout_and_validates_in_eval_mode(make_cfg, tmp_path, texts, peft,
+                                                                                   recwarn):
+    """from_pretrained returns a model in eval mode and Lightning keeps module modes: GPT-2's dropout (0.1 in its
+    config) must be on in training batches and off in validation, with no eval-mode warning from Lightning."""
+    from lit_speed.run import runner
+
+    folder = save_tiny_causal_lm(tmp_path / "tiny_gpt2", "gpt2", seed=0)
+    probe = _dropout_probe()
+    build = runner.build
+
+    def build_with_probe(cfg):
+        parts = build(cfg)
+        parts["trainer"].callbacks.append(probe)
+        return parts
+
+    runner.build = build_with_probe
+    try:
+        train(make_cfg(_run(folder, texts, f"peft={peft}", "trainer.max_steps=4", "trainer.val_check_interval=2")))
+    finally:
+        runner.build = build
+    assert probe.dropouts > 0  # GPT-2's attention, residual and embedding dropout (p=0.1)
+    assert probe.train_modes == {True}, "dropout was off in a training batch"
+    assert probe.val_modes == {False}, "dropout was on in a validation batch"
+    assert not [w for w in recwarn if "eval mode at the start of training" in str(w.message)]
+
+
+def test_summary_splits_launch_to_end_into_phases_that_add_up(tmp_path, hf_folder, texts):
+    """summary.json's time_split_s: every phase of a LoRA run through scripts/train.py (start-up before the runner,
+    checks, model load, adapters, data, sanity, training, validation, checkpoints, export, final validation), each
+    >= 0, the ones this run has > 0, and together the seconds from launch to the summary."""
+    import time
+
+    args = [a for a in _run(hf_folder, texts, "peft=lora") if not a.startswith((
+        "validate=", "trainer.num_sanity_val_steps="))] + ["validate=true", "trainer.num_sanity_val_steps=1"]
+    start = time.time()
+    result = run_script(args, tmp_path)
+    outside = time.time() - start
+    assert result.returncode == 0, explain(result)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    split = summary["time_split_s"]
+    expected = {"startup", "checks", "model_load", "model_prepare", "build", "data", "fit_setup", "sanity", "training",
+                "validation", "checkpoints", "export", "final_validation", "other"}
+    assert expected <= split.keys(), split
+    assert all(v >= 0 for v in split.values()), split
+    # what this run did took time: imports, a model from disk, 8 steps, 2 validations, 2 checkpoints, one export
+    assert all(split[k] > 0 for k in ("startup", "model_load", "model_prepare", "training", "sanity", "validation",
+                                      "checkpoints", "export", "final_validation")), split
+    assert abs(sum(split.values()) - summary["launch_to_end_s"]) < 0.02 * len(split)  # rounding of each phase
+    assert summary["launch_to_end_s"] <= outside  # the process's own clock, inside the wall time seen from outside
+    assert summary["steady_tokens_per_sec"] > 0 and summary["median_batch_s"] > 0
+    assert "launch to end" in result.stdout
+
+
+def test_auto_validation_reads_five_percent_of_the_training_tokens_within_8_to_256_windows():
+    from types import SimpleNamespace
+
+    from lit_speed.data.text_folder import auto_val_windows, planned_training_tokens
+
+    steps = SimpleNamespace(max_steps=3, max_epochs=20, accumulate_grad_batches=1, world_size=1)
+    assert planned_training_tokens(steps, batch_size=4, block_size=512, train_windows=10_000) == 3 * 4 * 512
+    assert auto_val_windows(3 * 4 * 512, 512) == 8  # a 3-step run: the floor, not 256 windows
+    assert auto_val_windows(2000 * 4 * 512, 512) == 256  # a long run: the full set
+    assert auto_val_windows(1000 * 4 * 512, 512) == 200  # 5% of 2.05M tokens in 512-token windows
+    assert auto_val_windows(None, 512) == 256  # only max_time stops it: the plan is unknown
+    epochs = SimpleNamespace(max_steps=-1, max_epochs=2, accumulate_grad_batches=2, world_size=2)
+    assert planned_training_tokens(epochs, 4, 64, train_windows=100) == 2 * 25 * 4 * 64 * 2 * 2 // 2
+
+
+def test_text_folder_validates_auto_windows_in_micro_batches_and_refuses_a_bad_count(tmp_path, texts, hf_folder):
+    from types import SimpleNamespace
+
+    dm = TextFolderDataModule(str(texts), str(hf_folder), str(tmp_path / "cache"), block_size=16, batch_size=3)
+    dm.setup()
+    dm.trainer = SimpleNamespace(max_steps=4, max_epochs=20, accumulate_grad_batches=1, world_size=1)
+    loader = dm.val_dataloader()
+    assert len(dm.val_dataset) == 8 and loader.batch_size == 3
+    assert "auto: 5% of the training tokens" in dm.describe()["validation"]
+    with pytest.raises(ValueError, match=r"max_val_windows='many'.*Fix: max_val_windows=auto"):
+        TextFolderDataModule(str(texts), str(hf_folder), str(tmp_path), max_val_windows="many")
