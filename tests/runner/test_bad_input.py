@@ -271,6 +271,8 @@ def test_switching_a_presets_component_runs_or_stops_in_one_line(make_cfg, comma
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
+    (["peft=lora", "peft.export_format=zip"], r"peft\.export_format='zip': PEFTAdapters\(export_format='zip'\): "
+                                              r"must be one of auto, hf, state_dict\. Fix: export_format=auto"),
     (["peft=lora", "peft.target_modules=[qvk]"], r"peft\.target_modules=\['qvk'\]: PEFTAdapters\(target_modules="
                                                   r"\['qvk'\]\): 'qvk' matches no module name or class of "
                                                   r"MLPClassifier\. Module names: net, train_acc, val_acc\. Classes: "
