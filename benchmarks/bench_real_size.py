@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--tag", default="", help="suffix of the result's name")
+    parser.add_argument("--no-write", action="store_true", help="print the rows, write no result (exploration)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     suite = SUITES[args.suite]
     names = [n for n in args.rows.split(",") if n] or list(suite)
@@ -260,6 +262,10 @@ def main(argv: list[str] | None = None) -> None:
     name = f"real_size_{args.suite}{args.tag}"
     results = {"rows": rows, "ratios": ratios, "steps": args.steps, "block": args.block, "micro": args.micro,
                "lr": args.lr, "matmul_peak_flops": args.peaks, "load_before": load_before, "load_after": load_after}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    if args.no_write:
+        return
     picture(rows, RESULTS / f"{name}.png")
     line = "; ".join(f"{k}: launch-to-end x{v['launch_to_end_x']}, tokens/s x{v['steady_tokens_per_s_x']}, peak RSS "
                      f"x{v['peak_rss_x']}" for k, v in ratios.items()) or "no ratios (a reference row is missing)"
