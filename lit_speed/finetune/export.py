@@ -6,7 +6,8 @@
 
 The merge is ``peft``'s (``merge(safe_merge=True)`` of each adapter layer, then the layer is replaced by its base
 layer); it runs on a float32 copy of the module's children, so the trained module is left as it is (adapters,
-precision, activation checkpointing) and ``state_dict()``'s float32 values are used (bf16-master's masters).
+precision, activation checkpointing, a bf16-held frozen base) and ``state_dict()``'s values are used in float32
+(bf16-master's masters; a bf16 base's values, exactly, plus the adapters' float32 update).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from lit_speed.finetune.adapters import adapter_layers
+from lit_speed.finetune.frozen_base import unwrap_frozen_base
 
 
 def merge_adapters(model: nn.Module) -> int:
@@ -56,6 +58,7 @@ def merged_copy(model: nn.Module) -> nn.Module:
     if unexpected or [k for k in missing if k not in own]:
         raise ValueError(f"merged_copy: the copy of {type(model).__name__} does not take its own state_dict "
                          f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
+    unwrap_frozen_base(root)  # a bf16-held base is float32 in the copy: plain layers again
     merge_adapters(root)
     return root
 
