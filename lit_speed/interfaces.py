@@ -12,6 +12,9 @@ methods qualifies, so each side also works with a third-party counterpart, or al
 * :class:`OptimizerStateCost` - an optimizer that declares the state it keeps per parameter (``lit_speed.Lion``,
   ``lit_speed.MuonAdamW``, ...). Asked by the memory planner and ``ZeroStrategy`` through
   ``lit_speed.state_tensors_per_param``, which also knows torch's and DeepSpeed's own optimizers.
+* :class:`ChunkedLossModel` - a LightningModule that can compute its language-model loss in chunks of tokens
+  (``lit_speed.GPTModule``, ``lit_speed.HFCausalLM``). Switched on by ``lit_speed.ChunkedLMLoss``, which wraps the
+  Hugging Face causal LMs inside any other module instead.
 
 Shared modules: a component package (``lit_speed/<component>/``) imports from another component package only
 through the public names of ``lit_speed/__init__.py`` or one of these shared modules
@@ -78,4 +81,13 @@ class OptimizerStateCost(Protocol):
     def state_tensors_per_param(self) -> float:
         """State tensors per trainable parameter, averaged over the optimizer's groups (Adam 2, Lion 1; a mix of
         groups gives a fraction); ``step`` counters and other scalars are not counted."""
+        ...
+
+
+@runtime_checkable
+class ChunkedLossModel(Protocol):
+    """A module whose language-model loss can run the LM head and cross-entropy in chunks of tokens."""
+
+    def use_chunked_loss(self, chunk_bytes: int | None) -> None:
+        """Compute the loss in chunks whose logits take at most ``chunk_bytes`` (``None``: the plain loss again)."""
         ...

@@ -9,7 +9,8 @@ file otherwise; ``"hf"`` or ``"state_dict"`` to choose). Each adapter layer is m
 (``merge(safe_merge=True)``) on a float32 copy of that one layer, and the folder is written shard by shard, so the
 export never holds a second copy of the model: at 0.5-1B parameters a whole merged copy costs as much memory as
 the weights. The trained module is left exactly as it was (adapters, precision, activation checkpointing); its
-``state_dict()`` values are used (bf16-master's float32 masters), in float32.
+``state_dict()`` values are used in float32 (bf16-master's masters; a bf16-held frozen base's values, exactly, plus
+the adapters' float32 update).
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import torch
 
+import lit_speed  # the public names: hf_lm_head (lit_speed.memory)
 from lit_speed.models.next_token import NextTokenSteps
 
 
@@ -37,6 +38,9 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
         scheduler: Optional factory ``(optimizer, total_steps) -> LRScheduler``.
         weight_decay: On matrices and embeddings only (0 is usual for fine-tuning).
         attn_implementation: ``sdpa`` (default), ``eager``, or what ``transformers`` offers for the model.
+        loss_chunk_mib: Run the LM head and the loss in chunks of at most this many MiB of logits (the decoder's
+            hidden states go to ``lit_speed.chunked_lm_loss``; ``lm_head`` never sees all tokens); ``None``: the
+            plain loss. ``lit_speed.ChunkedLMLoss`` sets it too.
 
     Raises:
         ValueError: ``pretrained`` is neither a model folder nor a hub id that can be fetched.
@@ -51,7 +55,7 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
     def __init__(self, pretrained: str, from_config: bool = False,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None, weight_decay: float = 0.0,
-                 attn_implementation: str | None = "sdpa") -> None:
+                 attn_implementation: str | None = "sdpa", loss_chunk_mib: float | None = None) -> None:
         super().__init__()
         owner = f"HFCausalLM(pretrained={pretrained})"
         transformers = _needs_transformers(owner)
@@ -73,6 +77,21 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
         self.model.train()
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
+        self._lm_head: Any = None  # lit_speed.hf_lm_head(self.model), found when the chunked loss is switched on
+        if loss_chunk_mib is not None:
+            self.use_chunked_loss(int(float(loss_chunk_mib) * 2**20))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx, use_cache=False).logits
+
+    def use_chunked_loss(self, chunk_bytes: int | None) -> None:
+        if chunk_bytes is not None and self._lm_head is None:  # checked on a probe: refused if logits are more
+            self._lm_head = lit_speed.hf_lm_head(self.model, owner=f"{type(self).__name__}(loss_chunk_mib=...)")
+        super().use_chunked_loss(chunk_bytes)
+
+    def head_inputs(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+        spec = self._lm_head
+        if spec is None or spec.head is not self.model.get_output_embeddings():  # e.g. adapters put on the head
+            spec = self._lm_head = lit_speed.hf_lm_head(self.model, owner=f"{type(self).__name__}(loss_chunk_mib=...)")
+        hidden = spec.decoder(input_ids=idx, use_cache=False)[0]
+        return hidden, spec.head.weight, spec.head.bias, spec.loss_options()

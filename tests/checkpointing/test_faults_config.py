@@ -134,6 +134,13 @@ CASES = {
                        r">= 1\. Fix: r=8", True),
     "hf_model_without_a_folder": (["model=hf_causal_lm", "data=text_folder", "data.root=/tmp"],
                                   r"model\.pretrained=\?\?\?: required, and not given\. Fix: model\.pretrained=", True),
+    # issue 32: memory levers
+    "chunked_loss_without_a_language_model": (["callbacks=[chunked_loss]"],
+                                              r"callbacks\.chunked_loss: ChunkedLMLoss: MLPClassifier holds no Hugging "
+                                              r"Face causal LM .*Fix: drop chunked_loss", True),
+    "bf16_base_under_bf16_true": (["peft=lora", "peft.base_dtype=bf16", "precision=bf16-true"],
+                                  r"peft\.base_dtype=bf16: PEFTAdapters\(base_dtype=bf16\): precision=bf16-true casts "
+                                  r"the whole module.*Fix: precision=32-true or bf16-mixed", True),
 }
 
 

@@ -290,6 +290,29 @@ def test_fine_tuning_options_are_refused_before_training_naming_the_setting(make
     assert not (tmp_path / "checkpoints").exists(), "a training step ran"
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["callbacks=[chunked_loss]"], r"^callbacks\.chunked_loss: ChunkedLMLoss: MLPClassifier holds no Hugging Face causal "
+                                   r"LM and has no use_chunked_loss\(chunk_bytes\) method .*Fix: drop chunked_loss"),
+    (["experiment=charlm_cpu", "callbacks=[chunked_loss]", "callbacks.chunked_loss.chunk_mib=0"],
+     r"^callbacks\.chunked_loss\.chunk_mib=0: ChunkedLMLoss\(chunk_mib=0\): .*Fix: chunk_mib=128"),
+    # a bf16-held frozen base needs float32 module weights around it (the adapters) and no ZeRO
+    (["peft=lora", "peft.base_dtype=fp16"], r"^peft\.base_dtype='fp16': PEFTAdapters\(base_dtype='fp16'\): .*Fix: "
+                                            r"base_dtype=bf16"),
+    (["peft=lora", "peft.base_dtype=bf16", "precision=bf16-true"],
+     r"^peft\.base_dtype=bf16: PEFTAdapters\(base_dtype=bf16\): precision=bf16-true casts the whole module, adapters "
+     r"included, to bf16 .*Fix: precision=32-true or bf16-mixed"),
+    (["peft=lora", "peft.base_dtype=bf16", "precision=bf16-master"], r"precision=bf16-master casts the whole module"),
+    (["peft=lora", "peft.base_dtype=bf16", "precision=auto"], r"^peft\.base_dtype=bf16: .*precision=auto may choose "
+                                                              r"bf16-master"),
+    (["peft=lora", "peft.base_dtype=bf16", "strategy=zero2"], r"^peft\.base_dtype=bf16: .*DeepSpeed ZeRO casts and "
+                                                              r"partitions .*Fix: strategy=auto or ddp"),
+])
+def test_memory_levers_are_refused_before_training_naming_the_setting(make_cfg, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        train(make_cfg([*SHORT, *overrides]))
+    assert "\n" not in str(error.value)
+
+
 def test_resuming_adapters_without_the_peft_option_names_the_fix(make_cfg, tmp_path):
     train(make_cfg([*SHORT, "callbacks=model_checkpoint", "peft=lora"]))
     adapters = tmp_path / "checkpoints" / "last.ckpt"
