@@ -269,7 +269,7 @@ class PEFTAdapters(Callback):
             what += f", + trainable {', '.join(map(str, self.trainable_modules))}"
         rows = {"peft": what + (", adapters-only checkpoints" if self.adapters_only_checkpoints else "")}
         if self.base_dtype is not None:
-            held = (f"{self.lowered.tensors} tensors, {self.lowered.saved_bytes / 2**20:,.0f} MiB saved"
+            held = (f"{self.lowered.tensors} tensors, {self.lowered.saved_bytes / 2**20:,.1f} MiB saved"
                     if self.lowered is not None else "lowered when adapters are added")
             compute = (f"{self.chosen_compute} ({self.compute_reason})" if self.chosen_compute else
                        f"{self.base_compute}" + (" (decided at fit start)" if self.base_compute == "auto" else ""))

@@ -83,10 +83,11 @@ def _head(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt:
     if len(slices) == 1 and weight.dtype == cdt:
         out = hc @ weight.t()
         out = out.float() if out.dtype != torch.float32 else out
-    else:
-        out = torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32, device=h.device)
+    else:  # vocabulary-major: each cast slice of the weight fills a contiguous block of rows, written in place
+        out_t = torch.empty(weight.shape[0], h.shape[0], dtype=cdt, device=h.device)
         for v0, v1 in slices:
-            out[:, v0:v1] = hc @ weight[v0:v1].to(cdt).t()
+            torch.mm(weight[v0:v1].to(cdt), hc.t(), out=out_t[v0:v1])
+        out = out_t.t() if cdt == torch.float32 else out_t.t().float()
     if bias is not None:
         out += bias.float()
     return out

@@ -297,3 +297,27 @@ def test_the_callback_refuses_a_module_without_a_language_model_loss(tmp_path):
     with pytest.raises(ValueError, match=r"ChunkedLMLoss: MLPClassifier holds no Hugging Face causal LM and has no "
                                          r"use_chunked_loss\(chunk_bytes\) method .*Fix: drop chunked_loss"):
         ChunkedLMLoss().setup(pl.Trainer(logger=False), MLPClassifier(), "fit")
+
+
+def test_hf_causal_lm_chunked_loss_equals_its_plain_loss_also_with_adapters(tmp_path):
+    from lit_speed import HFCausalLM
+    from lit_speed.finetune.adapters import add_adapters
+    from tests.helpers.tiny_hf import save_tiny_causal_lm
+
+    folder = save_tiny_causal_lm(tmp_path / "hf", hidden=32)
+    plain, chunked = HFCausalLM(str(folder)), HFCausalLM(str(folder), loss_chunk_mib=0.002)
+    for module in (plain, chunked):
+        module.model.eval()
+        add_adapters(module, "lora", ["q_proj", "v_proj"], r=2, options={"init_lora_weights": False})
+    chunked.load_state_dict(plain.state_dict())
+    x = torch.randint(0, plain.model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(x, -1, 1)
+    y[:, -1] = -100
+    grads = []
+    for module in (plain, chunked):
+        loss = module._loss((x, y))
+        grads.append(torch.autograd.grad(loss, [p for p in module.parameters() if p.requires_grad]))
+    for g, e in zip(*reversed(grads)):
+        _close(g, e)
+    with torch.no_grad():  # validation: the loss only
+        torch.testing.assert_close(chunked._loss((x, y)), plain._loss((x, y)), **FP32)
