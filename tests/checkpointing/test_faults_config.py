@@ -134,6 +134,15 @@ CASES = {
                        r">= 1\. Fix: r=8", True),
     "hf_model_without_a_folder": (["model=hf_causal_lm", "data=text_folder", "data.root=/tmp"],
                                   r"model\.pretrained=\?\?\?: required, and not given\. Fix: model\.pretrained=", True),
+    # issue 32: low-bit optimizer states
+    "low_bit_under_zero": (["strategy=zero2", "optimizer=adamw8bit"],
+                           r"strategy: ZeroStrategy: AdamW8bit cannot train under DeepSpeed ZeRO: .*Fix: strategy=auto "
+                           r"or strategy=ddp to keep AdamW8bit", True),
+    "low_bit_odd_block": (["optimizer=adamw4bit", "optimizer.block_size=3"],
+                          r"optimizer\.block_size=3: AdamW4bit\(block_size=3\): block_size must be an even int", True),
+    "preset_optimizer_switched_to_low_bit": (["experiment=charlm_fast", "optimizer=adamw8bit"],
+                                             r"optimizer\.adamw_lr=[\d.]+, optimizer\.momentum=[\d.]+: AdamW8bit takes "
+                                             r"no arguments 'adamw_lr', 'momentum'", True),
 }
 
 
