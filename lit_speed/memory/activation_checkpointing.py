@@ -171,7 +171,11 @@ class ActivationCheckpointing(Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self.wrapped = checkpoint_modules(pl_module, self.modules, self.offload)
+        try:
+            self.wrapped = checkpoint_modules(pl_module, self.modules, self.offload)
+        except ValueError as error:  # named after this class and argument: the runner prefixes the config path
+            shown = [m if isinstance(m, str) else m.__name__ for m in self.modules]
+            raise ValueError(f"ActivationCheckpointing(modules={shown}): {error}") from None
         classes = sorted({type(pl_module.get_submodule(name)).__name__ for name in self.wrapped})
         rank_zero_info(f"ActivationCheckpointing: {len(self.wrapped)} submodules wrapped ({', '.join(classes)})"
                        + (" (inputs offloaded to host)" if self.offload else ""))

@@ -296,6 +296,10 @@ def test_switching_a_presets_component_runs_or_stops_in_one_line(make_cfg, comma
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
+    (["callbacks=[activation_checkpointing]"], r"^callbacks\.activation_checkpointing\.modules=\['decoder-layers'\]: "
+                                               r"ActivationCheckpointing\(modules=\['decoder-layers'\]\): modules=\["
+                                               r"decoder-layers\]: MLPClassifier has no decoder layers .*Fix: name the "
+                                               r"block class to checkpoint, e\.g\. modules=\[Block\]$"),
     (["peft=lora", "peft.target_modules=[qvk]"], r"peft\.target_modules=\['qvk'\]: PEFTAdapters\(target_modules="
                                                   r"\['qvk'\]\): 'qvk' matches no module name or class of "
                                                   r"MLPClassifier\. Module names: net, train_acc, val_acc\. Classes: "
