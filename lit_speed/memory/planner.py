@@ -203,16 +203,21 @@ def measure_optimizer(model: nn.Module, optimizer_factory: Callable[..., torch.o
     optimizer = optimizer_factory([{"params": copies, "param_names": [n for n, _ in named]}] if wants_names
                                   else copies)
     optimizer.step()  # creates the state outside the tracker
-    with LiveTensorTracker() as tracker:
-        optimizer.step()
+    declared_temporaries = getattr(optimizer, "step_temporary_bytes", None)
+    if callable(declared_temporaries):  # a step torch.compile builds cannot run under the tracker's dispatch mode
+        step_bytes, how = int(declared_temporaries()), "; step temporaries declared, not traced"
+    else:
+        with LiveTensorTracker() as tracker:
+            optimizer.step()
+        step_bytes, how = tracker.peak_bytes, ""
     name = type(optimizer).__name__
     if lit_speed.state_bytes_per_param(optimizer) is not None:
-        return OptimizerProbe(tracker.peak_bytes, functools.partial(lit_speed.state_bytes_per_param, optimizer), name,
-                              "declared")
+        return OptimizerProbe(step_bytes, functools.partial(lit_speed.state_bytes_per_param, optimizer), name,
+                              "declared" + how)
     counted = sum(t.numel() for state in optimizer.state.values() for t in state.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0)
     tensors = counted / max(sum(c.numel() for c in copies), 1)
-    return OptimizerProbe(tracker.peak_bytes, lambda dtype: tensors * dtype.itemsize, name, "counted after one step")
+    return OptimizerProbe(step_bytes, lambda dtype: tensors * dtype.itemsize, name, "counted after one step" + how)
 
 
 def _overrides(precision: str, checkpointing: bool, micro_batch: int, strategy: str, world_size: int,

@@ -121,6 +121,13 @@ class LowBitAdamW:
                 kept += low_bit_state_bytes(p.numel(), self.bits, self.block_size, dtype or p.dtype, moments)
         return kept / total if total else 0.0
 
+    def step_temporary_bytes(self) -> int:
+        """An estimate of the bytes one step allocates on top of the state: the float32 moments of the largest
+        parameter, materialised while its blocks are re-quantised (its compiled kernel runs one parameter at a time).
+        Declared because a compiled step cannot be traced under a dispatch mode (the planner's tracker)."""
+        largest = max((p.numel() for g in self.param_groups for p in g["params"]), default=0)
+        return 2 * 4 * largest
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """torchao's step (compiled per parameter shape on first use), without torch.compile's note on its tensor

@@ -170,3 +170,29 @@ def test_a_plain_trainer_resumes_the_low_bit_state_bitwise(tmp_path) -> None:
     assert torch.equal(uninterrupted.layer.weight, resumed.layer.weight)
     assert torch.equal(uninterrupted.layer.bias, resumed.layer.bias)
     assert float(trainer.optimizers[0].param_groups[0]["lr"]) == pytest.approx(1e-2 * 0.5 ** 3)
+
+
+def test_the_planner_charges_the_declared_bytes_and_step_of_a_low_bit_optimizer() -> None:
+    from lit_speed.memory.memory_tracker import LiveTensorTracker
+    from lit_speed.memory.model_state import model_state_bytes
+    from lit_speed.memory.planner import measure_optimizer, plan
+
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    probe = measure_optimizer(model, AdamW8bit)  # its compiled step cannot run under the tracker: declared
+    assert probe.source == "declared; step temporaries declared, not traced" and probe.step_bytes == 8 * 128 * 64
+    assert probe.state_bytes(torch.float32) == pytest.approx(AdamW8bit(list(model.parameters())).state_bytes_per_param())
+    step = lambda m, b: m(b).pow(2).mean()  # noqa: E731
+    batch = torch.randn(4, 128)
+    rows = {name: plan(model, batch, micro_batches=[4], checkpoint_modules=(), step_fn=step, precisions=["32-true"],
+                       optimizer_factory=factory).rows[0]
+            for name, factory in (("adamw", None), ("8bit", AdamW8bit))}
+    assert rows["8bit"].peak_bytes < rows["adamw"].peak_bytes  # ~2.7 bytes of state instead of 8, a larger step
+    n = sum(p.numel() for p in model.parameters())
+    states = model_state_bytes(n, "32-true", state_bytes=probe.state_bytes)
+    assert states.optimizer == int(probe.state_bytes(torch.float32) * n) and states.params == 4 * n
+    optimizer = AdamW8bit([torch.nn.Parameter(torch.randn(64, 128))])
+    _step(optimizer, optimizer.param_groups[0]["params"], 1)
+    with LiveTensorTracker() as tracker:  # a quantised state passing through the tracker is skipped, not a crash
+        moment = optimizer.state[optimizer.param_groups[0]["params"][0]]["exp_avg"]
+        assert type(moment.float()) is type(moment)
+    assert tracker.peak_bytes == 0
