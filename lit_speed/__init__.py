@@ -40,6 +40,7 @@ _EXPORTS = {
     "MLPClassifier": "lit_speed.models.mlp",
     "GPTModule": "lit_speed.models.gpt",
     "Lion": "lit_speed.optim.lion",
+    "state_bytes_per_param": "lit_speed.optim.state_cost",
     "state_tensors_per_param": "lit_speed.optim.state_cost",
     "InitWeights": "lit_speed.finetune.init_weights",
     "PEFTAdapters": "lit_speed.finetune.peft_adapters",

@@ -9,9 +9,11 @@ methods qualifies, so each side also works with a third-party counterpart, or al
 * :class:`AccumulationFollower` - a strategy that keeps its own accumulation state in step with that decision and
   scales a window's gradients on request (``lit_speed.ZeroStrategy``). ``AccumulationScheduler`` refuses other
   DeepSpeed strategies.
-* :class:`OptimizerStateCost` - an optimizer that declares the state it keeps per parameter (``lit_speed.Lion``,
-  ``lit_speed.MuonAdamW``, ...). Asked by the memory planner and ``ZeroStrategy`` through
-  ``lit_speed.state_tensors_per_param``, which also knows torch's and DeepSpeed's own optimizers.
+* :class:`OptimizerStateCost` - an optimizer that declares the bytes of state it keeps per parameter
+  (``lit_speed.Lion``, ``lit_speed.MuonAdamW``, the low-bit AdamWs, ...). Asked by the memory planner and
+  ``ZeroStrategy`` through ``lit_speed.state_bytes_per_param``, which also knows torch's and DeepSpeed's own optimizers.
+* ``zero_refusal`` - an optimizer attribute, not a protocol: a class that cannot step DeepSpeed ZeRO's flat
+  partitions sets it to the reason (``lit_speed.optim.low_bit``); ``ZeroStrategy`` refuses it at set-up with it.
 * :class:`ChunkedLossModel` - a LightningModule that can compute its language-model loss in chunks of tokens
   (``lit_speed.GPTModule``, ``lit_speed.HFCausalLM``). Switched on by ``lit_speed.ChunkedLMLoss``, which wraps the
   Hugging Face causal LMs inside any other module instead.
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Protocol, runtime_checkabl
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    import torch
 
 
 @runtime_checkable
@@ -78,9 +81,11 @@ def find_accumulation_decider(callbacks: Iterable[object]) -> Optional[Accumulat
 class OptimizerStateCost(Protocol):
     """An optimizer that declares how much state it keeps, where it is defined."""
 
-    def state_tensors_per_param(self) -> float:
-        """State tensors per trainable parameter, averaged over the optimizer's groups (Adam 2, Lion 1; a mix of
-        groups gives a fraction); ``step`` counters and other scalars are not counted."""
+    def state_bytes_per_param(self, dtype: "torch.dtype | None" = None) -> float:
+        """Bytes of state per trainable parameter, averaged over the optimizer's groups by element count, when the
+        parameters are held in ``dtype`` (``None``: the dtypes they have now). A whole-tensor state costs
+        ``dtype.itemsize`` per element (AdamW in float32: 8.0, Lion 4.0); a quantised one its codes, block scales and
+        lookup tables (an 8-bit AdamW: ~2.03). ``step`` counters and other scalars are not counted."""
         ...
 
 

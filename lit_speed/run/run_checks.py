@@ -298,12 +298,18 @@ def check_checkpoint_matches(ckpt_path: Any, model: torch.nn.Module, optimizer_f
     keys = _param_group_keys(optimizer_factory)
     if keys is None:
         return
-    needed = keys - {"initial_lr", "foreach", "fused", "differentiable", "capturable", "maximize", "decoupled_weight_decay"}
+    optional = {"initial_lr", "foreach", "fused", "differentiable", "capturable", "maximize", "decoupled_weight_decay"}
+    needed = keys - optional
     saved_keys = set().union(*(set(g) for g in states[0]["param_groups"]))
+    fix = "Fix: the optimizer= of the run that wrote it, or ckpt_path=null to start fresh"
     if needed - saved_keys:
         raise ConfigError(f"ckpt_path={ckpt_path}: written with another optimizer (its state lacks "
-                          f"{', '.join(sorted(needed - saved_keys))}). Fix: the optimizer= of the run that wrote it, "
-                          "or ckpt_path=null to start fresh")
+                          f"{', '.join(sorted(needed - saved_keys))}). {fix}")
+    # a key that marks whose state it is (the low-bit AdamWs' state_bits): another optimizer would misread the state
+    marks = {"state_bits"} & (saved_keys - keys)
+    if marks:
+        raise ConfigError(f"ckpt_path={ckpt_path}: written with another optimizer (its state carries "
+                          f"{', '.join(sorted(marks))}, which this optimizer does not keep). {fix}")
 
 
 def check_activation_memory(cfg: DictConfig, available_bytes: int | None = None,

@@ -172,7 +172,7 @@ def optimizer_row(factory: Any) -> str:
         return "the model's own (configure_optimizers)"
     func = getattr(factory, "func", factory)
     keywords = getattr(factory, "keywords", {}) or {}
-    shown = [f"{k}={keywords[k]}" for k in ("lr", "adamw_lr", "fused", "foreach", "ns_dtype", "adamw_kernel")
+    shown = [f"{k}={keywords[k]}" for k in ("lr", "adamw_lr", "fused", "foreach", "ns_dtype", "adamw_kernel", "block_size")
              if keywords.get(k) is not None]
     auto = [k for k in ("ns_dtype", "adamw_kernel") if keywords.get(k) == "auto"]
     note = f"; {' and '.join(auto)} timed on this machine before the first step" if auto else ""

@@ -141,6 +141,15 @@ CASES = {
     "bf16_base_under_bf16_true": (["peft=lora", "peft.base_dtype=bf16", "precision=bf16-true"],
                                   r"peft\.base_dtype=bf16: PEFTAdapters\(base_dtype=bf16\): precision=bf16-true casts "
                                   r"the whole module.*Fix: precision=32-true or bf16-mixed", True),
+    # issue 32: low-bit optimizer states
+    "low_bit_under_zero": (["strategy=zero2", "optimizer=adamw8bit"],
+                           r"strategy: ZeroStrategy: AdamW8bit cannot train under DeepSpeed ZeRO: .*Fix: strategy=auto "
+                           r"or strategy=ddp to keep AdamW8bit", True),
+    "low_bit_odd_block": (["optimizer=adamw4bit", "optimizer.block_size=3"],
+                          r"optimizer\.block_size=3: AdamW4bit\(block_size=3\): block_size must be an even int", True),
+    "preset_optimizer_switched_to_low_bit": (["experiment=charlm_fast", "optimizer=adamw8bit"],
+                                             r"optimizer\.adamw_lr=[\d.]+, optimizer\.momentum=[\d.]+: AdamW8bit takes "
+                                             r"no arguments 'adamw_lr', 'momentum'", True),
 }
 
 

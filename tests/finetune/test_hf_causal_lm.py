@@ -106,6 +106,16 @@ def test_full_fine_tuning_of_an_hf_model_with_activation_checkpointing_by_block_
     assert summary["global_step"] == 8 and summary["components"]["ActivationCheckpointing"]["wrapped_modules"] == 2
 
 
+def test_full_fine_tuning_with_8bit_states_and_the_decoder_layers_checkpointed(make_cfg, hf_folder, texts, tmp_path):
+    pytest.importorskip("torchao", reason="optimizer=adamw8bit is torchao's (pip install -e '.[finetune]')")
+    summary = train(make_cfg(_run(hf_folder, texts, "callbacks=[model_checkpoint,activation_checkpointing]",
+                                  "optimizer=adamw8bit")))
+    assert summary["global_step"] == 8 and summary["components"]["ActivationCheckpointing"]["wrapped_modules"] == 2
+    assert summary["startup"]["optimizer"].startswith("AdamW8bit(lr=0.001, block_size=256)")
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"][0]["state"]
+    assert any(isinstance(s["exp_avg"], dict) and s["exp_avg"]["bits"] == 8 for s in state.values())
+
+
 def test_a_model_folder_that_does_not_exist_is_one_line(make_cfg, tmp_path, texts):
     from lit_speed.run.config_error import ConfigError
 

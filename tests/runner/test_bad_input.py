@@ -21,7 +21,7 @@ from lit_speed.models.mlp import MLPClassifier
 from lit_speed.run_contract import BatchConsumer, BatchSource
 from lit_speed.run.run_checks import check_activation_memory
 from lit_speed.run.runner import build, train
-from tests.helpers.repo import CONF
+from tests.helpers.repo import CONF, compose_config
 
 DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
@@ -214,6 +214,28 @@ def test_resume_with_another_optimizer_names_what_does_not_match(make_cfg, adamw
     assert summary["global_step"] == 4
 
 
+@pytest.mark.parametrize("strategy", ["zero2", "zero2_offload"])
+def test_a_low_bit_optimizer_under_zero_is_refused_naming_the_fix(make_cfg, strategy):
+    # zero2_offload would swap in cpu_adam; an explicit optimizer= wins, and ZeRO refuses it before its engine
+    with pytest.raises(ConfigError, match=r"^strategy: ZeroStrategy: AdamW8bit cannot train under DeepSpeed ZeRO: .*"
+                                          r"Fix: strategy=auto or strategy=ddp to keep AdamW8bit, or a ZeRO strategy "
+                                          r"with optimizer=adamw \(offload: optimizer=cpu_adam\)$"):
+        train(make_cfg([f"strategy={strategy}", "optimizer=adamw8bit", *SHORT]))
+
+
+def test_resume_across_low_bit_and_whole_state_optimizers_is_refused(make_cfg, adamw_checkpoint, tmp_path):
+    # the param groups tell whose state it is (AdamW8bit.load_state_dict also refuses a whole moment: tests/optim)
+    with pytest.raises(ConfigError, match=r"written with another optimizer \(its state lacks state_bits\)\. Fix: the "
+                                          r"optimizer= of the run that wrote it"):
+        train(make_cfg([*SHORT, "optimizer=adamw8bit", f"ckpt_path={adamw_checkpoint}"]))
+    train(compose_config([*SHORT, "callbacks=model_checkpoint", "optimizer=adamw8bit"], tmp_path / "low_bit"))
+    low_bit = tmp_path / "low_bit" / "checkpoints" / "last.ckpt"
+    assert torch.load(low_bit, weights_only=True)["optimizer_states"][0]["param_groups"][0]["state_bits"] == 8
+    with pytest.raises(ConfigError, match=r"written with another optimizer \(its state carries state_bits, which this "
+                                          r"optimizer does not keep\)\. Fix: the optimizer= of the run that wrote it"):
+        train(make_cfg([*SHORT, "trainer.max_epochs=2", f"ckpt_path={low_bit}"]))
+
+
 @pytest.mark.slow  # the first use JIT-builds DeepSpeed's CPU Adam (~2 min, then cached)
 def test_offload_option_alone_runs_with_cpu_adam(tmp_path):
     from tests.helpers.repo import run_train_script
@@ -238,6 +260,9 @@ PRESET_SWITCHES = {
                                               r"~optimizer\.momentum to drop them \(.*lr.*\), or optimizer=<muon> "
                                               r"\(takes them\)$",
     "experiment=charlm_fast optimizer=sgd": rf"^optimizer\.adamw_lr=[\d.]+: SGD {TAKES_NO}\. Fix: ~optimizer\.adamw_lr",
+    "experiment=charlm_fast optimizer=adamw8bit": r"^optimizer\.adamw_lr=[\d.]+, optimizer\.momentum=[\d.]+: AdamW8bit "
+                                                 r"takes no arguments 'adamw_lr', 'momentum' \(it takes: .*block_size.*\)"
+                                                 r".*Fix: ~optimizer\.adamw_lr ~optimizer\.momentum",
     "experiment=charlm_fast optimizer=adamw ~optimizer.adamw_lr ~optimizer.momentum optimizer.lr=0.003": None,  # runs
     "experiment=charlm_fast optimizer=sgd ~optimizer.adamw_lr": None,
     "experiment=charlm_fast precision=32-true": None,
@@ -273,6 +298,10 @@ def test_switching_a_presets_component_runs_or_stops_in_one_line(make_cfg, comma
 @pytest.mark.parametrize(("overrides", "message"), [
     (["peft=lora", "peft.export_format=zip"], r"peft\.export_format='zip': PEFTAdapters\(export_format='zip'\): "
                                               r"must be one of auto, hf, state_dict\. Fix: export_format=auto"),
+    (["callbacks=[activation_checkpointing]"], r"^callbacks\.activation_checkpointing\.modules=\['decoder-layers'\]: "
+                                               r"ActivationCheckpointing\(modules=\['decoder-layers'\]\): modules=\["
+                                               r"decoder-layers\]: MLPClassifier has no decoder layers .*Fix: name the "
+                                               r"block class to checkpoint, e\.g\. modules=\[Block\]$"),
     (["peft=lora", "peft.target_modules=[qvk]"], r"peft\.target_modules=\['qvk'\]: PEFTAdapters\(target_modules="
                                                   r"\['qvk'\]\): 'qvk' matches no module name or class of "
                                                   r"MLPClassifier\. Module names: net, train_acc, val_acc\. Classes: "
