@@ -29,6 +29,7 @@ from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.run.config_error import RunStopped
 from lit_speed.run_contract import (AccumulationReport, EndOfRunReport, ModelPreparer, MonitoredModel,
                                     SummaryExtra, SummaryReport, WorkloadReport, startup_rows_of)
+from lit_speed.run.fit_check import check_fits_memory
 from lit_speed.run.run_checks import check_activation_memory, check_checkpoint_matches, check_config
 from lit_speed.run.run_monitor import configured_monitor
 from lit_speed.run.run_plan_check import RunPlanCheck
@@ -265,6 +266,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     with _refusals_as_config_errors(lambda: True, paths):
         check_config(cfg)  # the config alone: before anything is built
         check_activation_memory(cfg)  # probes a short-context copy of the model
+        check_fits_memory(cfg)  # a Hugging Face model folder: the peak RSS predicted before its weights are read
         before["checks"] = time.perf_counter() - t0
         building = time.perf_counter()
         parts = build(cfg)
