@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lit_speed.data.pipeline import BatchFetch, LoaderOptions
+from lit_speed.data.pipeline import BatchFetch, LoaderOptions, check_batch_transform
 from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
 from lit_speed.run_contract import SummaryExtra
 
@@ -262,7 +262,7 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
                 raise ValueError(f"CharLMDataModule({name}={value!r}): {name} must be >= 1, got {value}")
         self.loader = LoaderOptions(num_workers, pin_memory, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["batch_transform"])
-        self.batch_transform = batch_transform
+        self.batch_transform = check_batch_transform(type(self).__name__, batch_transform)
         self.batch_size = batch_size
         self.block_size = block_size
         self.corpus: Corpus | None = None

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lit_speed.data.pipeline import BatchFetch, LoaderOptions
+from lit_speed.data.pipeline import BatchFetch, LoaderOptions, check_batch_transform
 from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
 
 
@@ -67,7 +67,7 @@ class DigitsDataModule(ResumableOrderHooks, pl.LightningDataModule):
         self.loader = LoaderOptions(num_workers, pin_memory, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["batch_transform"])
         self.batch_size = batch_size
-        self.batch_transform = batch_transform
+        self.batch_transform = check_batch_transform('DigitsDataModule', batch_transform)
         self.train_dataset: TensorDataset | None = None
         self.val_dataset: TensorDataset | None = None
         self.train_order = ResumableShuffle("digits")  # resumes mid-epoch through state_dict

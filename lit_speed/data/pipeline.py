@@ -174,6 +174,21 @@ def jitter_images(batch: tuple[torch.Tensor, torch.Tensor], side: int = 8, max_s
     return out.reshape(n, side * side), y
 
 
+def check_batch_transform(owner: str, transform: Any) -> Callable[[Any], Any] | None:
+    """``transform`` when it is ``None`` or callable.
+
+    Raises:
+        ValueError: Anything else (a string from the command line, a number), naming ``owner``'s argument and the
+            Hydra form of a function.
+    """
+    if transform is None or callable(transform):
+        return transform
+    raise ValueError(f"{owner}(batch_transform={transform!r}): must be a function batch -> batch or None, got a "
+                     f"{type(transform).__name__}. Fix: a function; from Hydra a _partial_ target, e.g. "
+                     "'data.batch_transform={_target_:lit_speed.data.pipeline.jitter_images,_partial_:true}' "
+                     "(digits), or data.batch_transform=null")
+
+
 def apply_batch_transform(transform: Callable[[Any], Any] | None, batch: Any, training: bool) -> Any:
     """Apply a batch-level transform to training batches only (validation sees the data as it is)."""
     return transform(batch) if transform is not None and training else batch
