@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lit_speed.data.pipeline import BatchFetch, LoaderOptions, check_batch_transform
 from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
-from lit_speed.run_contract import SummaryExtra
+from lit_speed.run_contract import SummaryExtra, TokenLimits
 
 # A fixed vocabulary (tab, newline, printable ASCII) so token ids never depend on corpus content;
 # any other character maps to "?" (index of "?").
@@ -290,6 +290,10 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         # evenly spaced windows across the whole validation text, not just its head
         idx = np.linspace(0, len(val) - 1, num=min(len(val), self.hparams.max_val_windows)).round().astype(int)
         self.val_dataset = torch.utils.data.Subset(val, np.unique(idx).tolist())
+
+    def token_limits(self) -> TokenLimits:
+        """Ids of the fixed character vocabulary and the window (``lit_speed.run_contract.TokenSource``)."""
+        return TokenLimits(VOCAB_SIZE, self.block_size, f"block_size={self.block_size}")
 
     def unigram_baseline(self) -> float:
         """Validation loss (nats/char) of a model that knows only the training text's character frequencies."""

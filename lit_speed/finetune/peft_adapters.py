@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lit_speed.finetune.adapters import (ALL_LINEAR, METHODS, add_adapters, drop_frozen_from_optimizer,
                                          frozen_fingerprint, parameter_counts)
-from lit_speed.finetune.export import export_merged
+from lit_speed.finetune.export import check_export_dir, export_merged
 
 ADAPTERS_ONLY_KEY = "adapters_only"  # top-level checkpoint key: the state_dict holds the trainable tensors only
 
@@ -111,6 +111,8 @@ class PEFTAdapters(Callback):
             raise ValueError("PEFTAdapters(export=True): cannot merge and export under ZeRO stage 3 (each process "
                              "holds a slice of every weight). Fix: peft.export=false, then scripts/consolidate.py "
                              "and lit_speed.finetune.export_merged on the consolidated model; or strategy=zero2")
+        if self.export and stage == "fit" and trainer.is_global_zero:  # rank 0 exports: fail now, not after training
+            check_export_dir(self._export_folder(trainer))
         if self.adapters_only_checkpoints and hasattr(trainer.strategy, "exclude_frozen_parameters"):
             trainer.strategy.exclude_frozen_parameters = True  # DeepSpeed writes the module itself: adapters only
 
@@ -169,11 +171,14 @@ class PEFTAdapters(Callback):
 
     @rank_zero_only
     def _export(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        out = Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "merged"
+        out = self._export_folder(trainer)
         # the tokenizer goes next to a Hugging Face model: the module's own, else the one the data was tokenized with
         tokenizer = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
         self.exported = export_merged(pl_module, out, tokenizer)
         rank_zero_info(f"PEFTAdapters: merged model written to {out} ({', '.join(sorted(self.exported))})")
+
+    def _export_folder(self, trainer: "pl.Trainer") -> Path:
+        return Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "merged"
 
     # ---- reports ------------------------------------------------------------------------------------------
 

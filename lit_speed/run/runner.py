@@ -29,7 +29,8 @@ from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.run.config_error import RunStopped
 from lit_speed.run_contract import (AccumulationReport, EndOfRunReport, ModelPreparer, MonitoredModel,
                                     SummaryExtra, SummaryReport, WorkloadReport, startup_rows_of)
-from lit_speed.run.run_checks import check_activation_memory, check_checkpoint_matches, check_config
+from lit_speed.run.run_checks import (check_activation_memory, check_checkpoint_matches, check_config,
+                                     check_tokens_fit_model)
 from lit_speed.run.run_monitor import configured_monitor
 from lit_speed.run.run_plan_check import RunPlanCheck
 from lit_speed.run.run_summary import RunSummary
@@ -58,6 +59,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    check_tokens_fit_model(datamodule, cfg.model)  # tokenizer vs embedding, window vs positions: before weights load
     # plain Python values (betas as a tuple, not a ListConfig): optimizer param groups are saved in every
     # checkpoint, and an OmegaConf object there makes it unloadable with torch.load(weights_only=True)
     # a model that takes no `optimizer` argument, or whose config sets its own, builds its own optimizer
