@@ -23,6 +23,7 @@ _EXPORTS = {
     "ValidationBudget": "lit_speed.monitoring.validation_budget",
     "MuonAdamW": "lit_speed.optim.muon",
     "ActivationCheckpointing": "lit_speed.memory.activation_checkpointing",
+    "activation_checkpointing_on": "lit_speed.memory.activation_checkpointing",
     "CompileModel": "lit_speed.memory.compile_model",
     "plan": "lit_speed.memory.planner",
     "RunSummary": "lit_speed.run.run_summary",

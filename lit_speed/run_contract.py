@@ -12,6 +12,8 @@ Who reports what (checked by ``tests/runner/test_run_contract.py``):
   callbacks; stored under ``summary.json["components"][<class name>]``.
 - :class:`AccumulationReport` (``current_factor``, ``factors``): AccumulationScheduler; the runner shows the
   factor in the effective-batch row and :class:`~lit_speed.run.run_plan_check.RunPlanCheck` checks the largest one.
+- :class:`AccumulationPlan` (``accumulation_plan(micro_batch, world_size)``): AccumulationScheduler; the factor at the
+  start and where the schedule goes, for the effective-batch row (a schedule the micro-batch cannot hold is refused).
 - :class:`WorkloadReport` (``summary_extras()``): a workload's own reference numbers (CharLMDataModule's unigram
   baseline), stored at the top level of ``summary.json`` and shown in the end-of-run table.
 - :class:`MonitoredModel` (``monitor``, ``monitor_mode``): the metric a model logs, the default of the
@@ -86,6 +88,20 @@ class AccumulationReport(Protocol):
     @property
     def factors(self) -> Mapping[int, int] | None:
         """The scheduled factors by position, or ``None`` when the schedule is not in micro-batches."""
+
+
+@runtime_checkable
+class AccumulationPlan(Protocol):
+    """An accumulation callback that can say, before training, what its schedule does for a micro-batch and a world
+    size: ``accumulation_plan(micro_batch, world_size)`` returns the micro-batches per optimizer step at the start,
+    the largest it reaches, and where the schedule goes from there (``""``: nowhere, one factor for the whole run),
+    and raises ``ValueError``
+    for a schedule that cannot hold at that micro-batch (an effective batch it does not divide). ``micro_batch`` is
+    ``None`` when not known before setup. The runner prints it in the effective-batch row.
+    """
+
+    def accumulation_plan(self, micro_batch: int | None, world_size: int) -> tuple[int, int, str]:
+        """``(factor at the start, largest factor, what follows)``."""
 
 
 class SummaryExtra(NamedTuple):

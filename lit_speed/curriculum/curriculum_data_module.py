@@ -12,8 +12,8 @@ from typing_extensions import override
 from lit_speed.curriculum.difficulty import difficulty_order, resolve_scores
 from lit_speed.curriculum.pacing import check_pacing, pacing_fraction, progress_at, seq_len_at
 from lit_speed.curriculum.sampler import CurriculumSampler
-from lit_speed.data.pipeline import (BatchFetch, LoaderOptions, apply_batch_transform, check_batch_transform,
-                                     truncate_sequences)
+from lit_speed.data.pipeline import (BatchFetch, LoaderOptions, ResumableDataLoader, apply_batch_transform,
+                                     check_batch_transform, truncate_sequences)
 
 PACE_UNITS = ("steps", "epochs")
 
@@ -165,8 +165,8 @@ class CurriculumDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
         preloaded = isinstance(self.train_dataset, torch.utils.data.TensorDataset)
-        return DataLoader(BatchFetch(self.train_dataset), sampler=self.sampler, batch_size=None,
-                          **self._loader_kwargs(preloaded))
+        return ResumableDataLoader(BatchFetch(self.train_dataset), sampler=self.sampler, batch_size=None,
+                                   **self._loader_kwargs(preloaded))
 
     @override
     def val_dataloader(self) -> Any:

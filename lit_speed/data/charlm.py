@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lit_speed.data.pipeline import BatchFetch, LoaderOptions, check_batch_transform
+from lit_speed.data.pipeline import BatchFetch, LoaderOptions, ResumableDataLoader, check_batch_transform
 from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
 from lit_speed.run_contract import SummaryExtra, TokenLimits
 
@@ -237,6 +237,7 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
     of ``batch_size`` slices and a collate), in the same shuffled order as ``shuffle=True``.
     """
 
+    data_name = "charlm"  # what its messages call it ("charlm training order resumed ...")
     batch_kind = "tokens->next-token"  # what model= must take (lit_speed.run_contract.BatchSource)
 
     def __init__(
@@ -259,7 +260,7 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         super().__init__()
         for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_val_windows", max_val_windows)):
             if value < 1:
-                raise ValueError(f"CharLMDataModule({name}={value!r}): {name} must be >= 1, got {value}")
+                raise ValueError(f"{type(self).__name__}({name}={value!r}): {name} must be >= 1, got {value}")
         self.loader = LoaderOptions(num_workers, pin_memory, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["batch_transform"])
         self.batch_transform = check_batch_transform(type(self).__name__, batch_transform)
@@ -268,7 +269,7 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         self.corpus: Corpus | None = None
         self.train_dataset: TokenWindows | None = None
         self.val_dataset: torch.utils.data.Subset | None = None
-        self.train_order = ResumableShuffle("charlm")  # resumes mid-epoch through state_dict
+        self.train_order = ResumableShuffle(self.data_name)  # resumes mid-epoch through state_dict
 
     @override
     def prepare_data(self) -> None:
@@ -285,6 +286,11 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         """Training windows of ``train_tokens``, and up to ``max_val_windows`` evenly spaced validation windows."""
         if self.hparams.preload:
             train_tokens, val_tokens = torch.from_numpy(np.array(train_tokens)), torch.from_numpy(np.array(val_tokens))
+        for split, tokens in (("training", train_tokens), ("validation", val_tokens)):
+            if len(tokens) < self.block_size + 1:  # TokenWindows' own error names neither setting
+                raise ValueError(f"{type(self).__name__}(block_size={self.block_size}): the {split} text has "
+                                 f"{len(tokens):,} tokens, fewer than block_size + 1 = {self.block_size + 1}. Fix: a "
+                                 "smaller data.block_size, or more text (data.root, data.max_bytes)")
         self.train_dataset = TokenWindows(train_tokens, self.block_size, self.hparams.train_stride)
         val = TokenWindows(val_tokens, self.block_size)
         # evenly spaced windows across the whole validation text, not just its head
@@ -311,7 +317,8 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # the same draw as shuffle=True, drop_last=True, resumable mid-epoch; each batch gathered in one index
         sampler = self.train_order.sampler_for(len(self.train_dataset), self.batch_size, True, self.trainer)
-        return DataLoader(BatchFetch(self.train_dataset), sampler=sampler, batch_size=None, **self._loader_kwargs())
+        return ResumableDataLoader(BatchFetch(self.train_dataset), sampler=sampler, batch_size=None,
+                                   **self._loader_kwargs())
 
     @override
     def val_dataloader(self) -> DataLoader:

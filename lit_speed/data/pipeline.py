@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 
 def available_cores() -> int:
@@ -104,6 +104,24 @@ class LoaderOptions:
         workers = resolve_num_workers(self.num_workers, preloaded)
         persistent = workers > 0 if self.persistent_workers is None else self.persistent_workers
         return loader_kwargs(workers, resolve_pin_memory(self.pin_memory, trainer), persistent, self.prefetch_factor)
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` whose position resumes through its DataModule's own ``state_dict``.
+
+    Lightning 2.6.6 (``_TrainingEpochLoop.reset``) warns on every mid-epoch resume that a loader without
+    ``state_dict``/``load_state_dict`` "is not resumable". The DataModules that build this loader save their
+    sampler's position themselves (:class:`~lit_speed.data.resumable.ResumableShuffle`, the curriculum's sampler)
+    and Lightning restores the DataModule before the loop starts, so a resume serves exactly the batches the
+    uninterrupted run serves (``tests/checkpointing/test_faults_midepoch.py``): the loader has nothing more to save,
+    its own state is empty, and Lightning's warning, which would be false here, is not raised.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the position lives in the DataModule's state_dict, saved and restored with it
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore here (see the class docstring)."""
 
 
 class BatchFetch(Dataset):

@@ -155,6 +155,7 @@ class TextFolderDataModule(CharLMDataModule):
         dm = TextFolderDataModule("my_texts/", tokenizer="path/to/hf_model", cache_dir=".cache/text")
     """
 
+    data_name = "text_folder"  # what its messages call it ("text_folder training order resumed ...")
     batch_kind = "tokenizer-ids->next-token"  # ids of the model's own tokenizer (lit_speed.run_contract.BatchSource)
 
     def __init__(self, root: str, tokenizer: Any, cache_dir: str, patterns: Sequence[str] = DEFAULT_PATTERNS,
