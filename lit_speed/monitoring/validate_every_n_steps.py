@@ -61,16 +61,16 @@ class ValidateEveryNSteps(Callback):
             return
         interval = trainer.val_check_interval
         if not (isinstance(interval, float) and interval == 1.0):  # Lightning's default (null in conf/base/trainer)
-            raise ValueError(f"ValidateEveryNSteps(every_n_steps={self.every_n_steps}): decides when to validate; "
-                             f"Trainer(val_check_interval={interval!r}) would be ignored. Fix: "
+            raise ValueError(f"ValidateEveryNSteps: Trainer(val_check_interval={interval!r}) would be ignored: "
+                             f"every_n_steps={self.every_n_steps} decides when to validate. Fix: "
                              "trainer.val_check_interval=null")
         if trainer.check_val_every_n_epoch not in (1, None):
-            raise ValueError(f"ValidateEveryNSteps(every_n_steps={self.every_n_steps}): "
-                             f"Trainer(check_val_every_n_epoch={trainer.check_val_every_n_epoch}) would skip the "
-                             "steps of the other epochs. Fix: trainer.check_val_every_n_epoch=1")
+            raise ValueError(f"ValidateEveryNSteps: Trainer(check_val_every_n_epoch={trainer.check_val_every_n_epoch})"
+                             f" would skip the steps of the other epochs (every_n_steps={self.every_n_steps}). Fix: "
+                             "trainer.check_val_every_n_epoch=1")
         if any(isinstance(cb, ValidationBudget) for cb in trainer.callbacks):
-            raise ValueError(f"ValidateEveryNSteps(every_n_steps={self.every_n_steps}) and ValidationBudget both set "
-                             "the validation cadence. Fix: one of them in callbacks")
+            raise ValueError("ValidateEveryNSteps: ValidationBudget sets the validation cadence too (in training "
+                             "batches). Fix: one of them in callbacks")
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -133,3 +133,27 @@ def test_hf_lora_under_bf16_master_with_device_stats_and_fault_tolerance(make_cf
     assert evidence["flops_per_sec"] > 0 and 0 < evidence["mfu"] < 1  # FLOPs counted on the HF model's first batch
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["adapters_only"] and all(v.dtype == torch.float32 for v in ckpt["state_dict"].values())  # masters
+
+
+def test_an_empty_tokenizer_is_refused_naming_the_folder_and_data_tokenizer(tmp_path):
+    # transformers 5 builds a 1-token tokenizer from a model folder without tokenizer files instead of raising
+    from lit_speed.data.text_folder import load_tokenizer
+
+    folder = save_tiny_causal_lm(tmp_path / "weights_only", "qwen2", tokenizer=False)
+    with pytest.raises(ValueError, match=rf"TextFolderDataModule\(tokenizer={folder}\): no usable tokenizer there: "
+                                         r"transformers built \w+ with 1 token\(s\), and 'The quick brown fox'\.\.\. "
+                                         r"encodes to no ids; the folder has no tokenizer file .*Fix: data\.tokenizer="):
+        load_tokenizer(str(folder))
+
+
+def test_model_and_data_say_their_token_limits_before_the_weights_load(tmp_path, texts):
+    from lit_speed.run_contract import TokenLimits, TokenModel, TokenSource
+
+    folder = save_tiny_causal_lm(tmp_path / "opt", "opt", max_positions=64)
+    assert isinstance(HFCausalLM, TokenModel)
+    limits = HFCausalLM.input_limits({"pretrained": str(folder)})
+    assert limits == TokenLimits(len(tiny_tokenizer()), 64, f"pretrained={folder}", "learned", "OPTForCausalLM")
+    assert HFCausalLM.input_limits({"pretrained": str(tmp_path / "nothing")}) is None  # the model's build says why
+    data = TextFolderDataModule(str(texts), tokenizer=str(folder), cache_dir=str(tmp_path / "cache"), block_size=48)
+    assert isinstance(data, TokenSource)
+    assert data.token_limits() == TokenLimits(len(tiny_tokenizer()), 48, f"tokenizer={folder}")
