@@ -188,9 +188,11 @@ class TokenLimits(NamedTuple):
 
     ``vocab_size``: ids are ``0 .. vocab_size - 1`` (data), or the model's embedding rows. ``positions``: the window
     (``block_size``) of the data, or the positions the model has (``None``: no limit). ``source``: the argument that
-    sets them, as ``name=value`` (several: ``a=1, b=2``; the runner puts the config path in front of each). ``kind``: for a model, how it encodes
-    positions: ``"learned"`` (a table: no position past it exists), ``"rotary"`` (computed: runs past it, at positions
-    it never trained on) or ``""``. ``name``: what to call the model in a message (its architecture).
+    sets the vocabulary, as ``name=value`` (the runner puts the config path in front; ``""``: a fixed vocabulary).
+    ``kind``: for a model, how it encodes positions: ``"learned"`` (a table: no position past it exists),
+    ``"rotary"`` (computed: runs past it, at positions it never trained on) or ``""``. ``name``: what to call it in a
+    message (a model's architecture, a fixed vocabulary). ``positions_source``: the argument that sets ``positions``
+    (``""``: ``source``).
     """
 
     vocab_size: int
@@ -198,6 +200,7 @@ class TokenLimits(NamedTuple):
     source: str
     kind: str = ""
     name: str = ""
+    positions_source: str = ""
 
 
 @runtime_checkable

@@ -299,7 +299,8 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
 
     def token_limits(self) -> TokenLimits:
         """Ids of the fixed character vocabulary and the window (``lit_speed.run_contract.TokenSource``)."""
-        return TokenLimits(VOCAB_SIZE, self.block_size, f"block_size={self.block_size}")
+        return TokenLimits(VOCAB_SIZE, self.block_size, "", name=f"the fixed {VOCAB_SIZE}-character vocabulary",
+                           positions_source=f"block_size={self.block_size}")
 
     def unigram_baseline(self) -> float:
         """Validation loss (nats/char) of a model that knows only the training text's character frequencies."""

@@ -208,7 +208,8 @@ class TextFolderDataModule(CharLMDataModule):
         """The tokenizer's vocabulary (loaded now, and checked) and the window (``lit_speed.run_contract.TokenSource``)."""
         source = self.tokenizer_source if isinstance(self.tokenizer_source, (str, os.PathLike)) else \
             type(self.tokenizer_source).__name__
-        return TokenLimits(len(self.tokenizer), self.block_size, f"tokenizer={source}")
+        return TokenLimits(len(self.tokenizer), self.block_size, f"tokenizer={source}",
+                           positions_source=f"block_size={self.block_size}")
 
     def describe(self) -> dict[str, Any]:
         self.setup()

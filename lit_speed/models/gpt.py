@@ -136,4 +136,4 @@ class GPTModule(NextTokenSteps, pl.LightningModule):
     def input_limits(cls, config: Mapping[str, Any]) -> TokenLimits:
         """Embedding rows and learned positions from the constructor arguments (``lit_speed.run_contract.TokenModel``)."""
         vocab, block = int(config.get("vocab_size", 97)), int(config.get("block_size", 64))
-        return TokenLimits(vocab, block, f"vocab_size={vocab}, block_size={block}", "learned", "GPT")
+        return TokenLimits(vocab, block, f"vocab_size={vocab}", "learned", "GPT", f"block_size={block}")

@@ -1,6 +1,7 @@
 """Refuse a composed config that cannot train, before anything is built: each refusal names the setting and the fix.
 
 :func:`check_config` reads only the config (cheap: it runs before the model, the data or the Trainer exist).
+:func:`check_tokens_fit_model` runs once the DataModule is built, before the model (and its weights) is.
 :func:`check_activation_memory` and :func:`check_checkpoint_matches` need the built model and run before
 ``fit``; :class:`~lit_speed.run.run_plan_check.RunPlanCheck` checks what only the Trainer knows (batches per epoch).
 """
@@ -342,8 +343,8 @@ def check_activation_memory(cfg: DictConfig, available_bytes: int | None = None,
 
 
 def _with_path(source: str, where: str) -> str:
-    """``"a=1, b=2"`` -> ``"data.a=1, data.b=2"``."""
-    return ", ".join(f"{where}.{part}" for part in source.split(", "))
+    """``"a=1"`` -> ``"data.a=1"`` (``""`` stays ``""``)."""
+    return f"{where}.{source}" if source else ""
 
 
 def check_tokens_fit_model(datamodule: Any, model_cfg: DictConfig) -> None:
@@ -370,18 +371,25 @@ def check_tokens_fit_model(datamodule: Any, model_cfg: DictConfig) -> None:
     if limits is None:
         return
     data = datamodule.token_limits()
-    data_source, model_source = _with_path(data.source, "data"), _with_path(limits.source, "model")
+    model_source = _with_path(limits.source, "model")
     if data.vocab_size > limits.vocab_size:
-        raise ConfigError(f"{data_source}: its vocabulary has {data.vocab_size:,} token ids, the embedding of "
-                          f"{limits.name} has {limits.vocab_size:,} rows ({model_source}): ids {limits.vocab_size:,} "
-                          f"to {data.vocab_size - 1:,} would index outside it (an IndexError at the first batch). "
-                          f"Fix: the tokenizer the model was trained with (data.tokenizer=<the model's own folder or "
-                          "hub id>), or a model whose vocabulary holds it")
+        data_source = _with_path(data.source, "data")
+        outside = (f"the embedding of {limits.name} has {limits.vocab_size:,} rows ({model_source}): ids "
+                   f"{limits.vocab_size:,} to {data.vocab_size - 1:,} would index outside it (an IndexError at the "
+                   "first batch)")
+        if data_source:  # a tokenizer the user chose: the model's own is the fix
+            raise ConfigError(f"{data_source}: its vocabulary has {data.vocab_size:,} token ids, {outside}. Fix: the "
+                              "tokenizer the model was trained with (data.tokenizer=<the model's own folder or hub "
+                              "id>), or a model whose vocabulary holds it")
+        raise ConfigError(f"{model_source}: the data's ids come from {data.name or 'its vocabulary'} "
+                          f"({data.vocab_size:,} ids), {outside}. Fix: {model_source.partition('=')[0]}="
+                          f"{data.vocab_size}")
     if limits.positions is None or data.positions is None or data.positions <= limits.positions:
         return
-    n, block = limits.positions, f"data.block_size={data.positions}"
+    n, block = limits.positions, _with_path(data.positions_source or f"block_size={data.positions}", "data")
+    where = _with_path(limits.positions_source, "model") or model_source
     if limits.kind == "learned":
-        raise ConfigError(f"{block}: longer than the {n} positions of {limits.name} ({model_source}): its position "
+        raise ConfigError(f"{block}: longer than the {n} positions of {limits.name} ({where}): its position "
                           f"embeddings are a learned table of {n} rows, so positions {n} and later do not exist (an "
                           f"IndexError at the first batch). Fix: data.block_size={n} (or less)")
     what = ("rotary positions run past it, at positions the model never saw in training, so quality drops"
@@ -390,4 +398,4 @@ def check_tokens_fit_model(datamodule: Any, model_cfg: DictConfig) -> None:
     raise_it = (f"; to train past it on purpose, raise max_position_embeddings in {config_json}"
                 if config_json.is_file() else "")
     raise ConfigError(f"{block}: longer than the {n} positions {limits.name} was made for (max_position_embeddings, "
-                      f"{model_source}): its {what}. Fix: data.block_size={n} (or less){raise_it}")
+                      f"{where}): its {what}. Fix: data.block_size={n} (or less){raise_it}")

@@ -164,6 +164,10 @@ CASES.update({
     "export_folder_not_writable": (["peft=lora", "peft.export_dir=/proc/forbidden"],
                                    r"peft\.export_dir=/proc/forbidden: PEFTAdapters\(export_dir=/proc/forbidden\): the "
                                    r"merged model could not be written there after training", True),
+    "validation_steps_and_batches_both": (["callbacks=[default,validate_every_n_steps]", "trainer.val_check_interval=5"],
+                                          r"callbacks\.validate_every_n_steps: ValidateEveryNSteps: Trainer\("
+                                          r"val_check_interval=5\) would be ignored.*Fix: trainer\.val_check_interval="
+                                          r"null", True),
     "init_from_another_model": (["init=weights", f"init.path={OTHER_MODEL}"],
                                 r"only 1 of MLPClassifier's \d+ tensors match the file's 3 by name and shape: it holds "
                                 r"another model", True),

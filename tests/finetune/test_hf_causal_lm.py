@@ -156,4 +156,17 @@ def test_model_and_data_say_their_token_limits_before_the_weights_load(tmp_path,
     assert HFCausalLM.input_limits({"pretrained": str(tmp_path / "nothing")}) is None  # the model's build says why
     data = TextFolderDataModule(str(texts), tokenizer=str(folder), cache_dir=str(tmp_path / "cache"), block_size=48)
     assert isinstance(data, TokenSource)
-    assert data.token_limits() == TokenLimits(len(tiny_tokenizer()), 48, f"tokenizer={folder}")
+    assert data.token_limits() == TokenLimits(len(tiny_tokenizer()), 48, f"tokenizer={folder}",
+                                              positions_source="block_size=48")
+
+
+def test_a_gpt_smaller_than_the_character_vocabulary_is_refused_naming_its_setting(make_cfg):
+    from lit_speed.run.config_error import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model\.vocab_size=50: the data's ids come from the fixed 97-character "
+                                          r"vocabulary \(97 ids\), the embedding of GPT has 50 rows \(model\.vocab_size="
+                                          r"50\): ids 50 to 96 would index outside it .*Fix: model\.vocab_size=97$"):
+        train(make_cfg(["experiment=charlm_cpu", "model.vocab_size=50", "data.max_bytes=100000"]))
+    with pytest.raises(ConfigError, match=r"^data\.block_size=64: longer than the 32 positions of GPT \(model\."
+                                          r"block_size=32\): .*learned table of 32 rows.*Fix: data\.block_size=32"):
+        train(make_cfg(["experiment=charlm_cpu", "model.block_size=32", "data.max_bytes=100000"]))
