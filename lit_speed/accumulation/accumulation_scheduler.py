@@ -119,14 +119,10 @@ class AccumulationScheduler(Callback):
         return self.step_now
 
     def accumulation_plan(self, micro_batch: int | None, world_size: int) -> tuple[int, int, str]:
-        """Micro-batches per optimizer step at the start, the largest, and where the schedule goes, for a DataLoader of
-        ``micro_batch`` samples on ``world_size`` processes (``lit_speed.run_contract.AccumulationPlan``;
-        :func:`~lit_speed.accumulation.schedule.schedule_plan`, which raises ``ValueError`` for an effective batch
-        they do not divide)."""
+        """:func:`~lit_speed.accumulation.schedule.schedule_plan` of this schedule (``run_contract.AccumulationPlan``)."""
+        arg, schedule = ("factors", self.factors) if self.factors is not None else ("effective_batch", self.effective_batch)
         micro = self.micro_batch if isinstance(self.micro_batch, int) else micro_batch
-        return checked_argument("effective_batch" if self.factors is None else "factors",
-                                self.effective_batch if self.factors is None else self.factors, schedule_plan,
-                                self.factors is not None, self.unit, self.ramp, micro, world_size)
+        return checked_argument(arg, schedule, schedule_plan, arg == "factors", self.unit, self.ramp, micro, world_size)
 
     def describe(self) -> dict[str, str]:
         """Rows for the start-up table."""

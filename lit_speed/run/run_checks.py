@@ -370,8 +370,7 @@ def check_tokens_fit_model(datamodule: Any, model_cfg: DictConfig) -> None:
     limits = input_limits(OmegaConf.to_container(model_cfg, resolve=True))
     if limits is None:
         return
-    data = datamodule.token_limits()
-    model_source = _with_path(limits.source, "model")
+    data, model_source = datamodule.token_limits(), _with_path(limits.source, "model")
     if data.vocab_size > limits.vocab_size:
         data_source = _with_path(data.source, "data")
         outside = (f"the embedding of {limits.name} has {limits.vocab_size:,} rows ({model_source}): ids "
@@ -394,8 +393,7 @@ def check_tokens_fit_model(datamodule: Any, model_cfg: DictConfig) -> None:
                           f"IndexError at the first batch). Fix: data.block_size={n} (or less)")
     what = ("rotary positions run past it, at positions the model never saw in training, so quality drops"
             if limits.kind == "rotary" else "past it the model runs at positions it was not built for")
-    config_json = Path(limits.source.partition("=")[2]) / "config.json"
-    raise_it = (f"; to train past it on purpose, raise max_position_embeddings in {config_json}"
-                if config_json.is_file() else "")
+    config_json = Path(limits.source.partition("=")[2]) / "config.json"  # a local folder: its limit can be raised
+    raise_it = f"; to train past it on purpose, raise max_position_embeddings in {config_json}" * config_json.is_file()
     raise ConfigError(f"{block}: longer than the {n} positions {limits.name} was made for (max_position_embeddings, "
                       f"{where}): its {what}. Fix: data.block_size={n} (or less){raise_it}")
