@@ -23,6 +23,7 @@ _EXPORTS = {
     "ValidationBudget": "lit_speed.monitoring.validation_budget",
     "MuonAdamW": "lit_speed.optim.muon",
     "ActivationCheckpointing": "lit_speed.memory.activation_checkpointing",
+    "activation_checkpointing_on": "lit_speed.memory.activation_checkpointing",
     "CompileModel": "lit_speed.memory.compile_model",
     "ChunkedLMLoss": "lit_speed.memory.chunked_lm_loss",
     "chunked_lm_loss": "lit_speed.memory.chunked_cross_entropy",

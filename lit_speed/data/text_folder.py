@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from lit_speed.data.charlm import CharLMDataModule, Corpus, TokenWindows, read_texts, unigram_cross_entropy
+from lit_speed.run_contract import TokenLimits
 
 DEFAULT_PATTERNS = ("**/*.txt", "**/*.md", "**/*.rst", "**/*.py")
 
@@ -31,11 +32,45 @@ def load_tokenizer(source: str) -> Any:
         raise ValueError(f"TextFolderDataModule(tokenizer={source}): needs the transformers package. Fix: pip "
                          "install -e \".[finetune]\" (or bash scripts/run.sh setup)") from None
     try:
-        return AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as error:
         raise ValueError(f"TextFolderDataModule(tokenizer={source}): no tokenizer there "
                          f"({' '.join(str(error).split())[:200]}). Fix: data.tokenizer=<a folder with tokenizer files, "
                          "e.g. the model's save_pretrained folder> or a hub id (needs network access)") from None
+    check_tokenizer_usable(tokenizer, source)
+    return tokenizer
+
+
+# files a tokenizer is saved as (fast tokenizer, sentencepiece, BPE vocab + merges, WordPiece, tiktoken)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken")
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog."
+
+
+def check_tokenizer_usable(tokenizer: Any, source: str) -> None:
+    """Refuse a tokenizer that encodes ordinary text to nothing (or to unknown tokens only).
+
+    ``transformers`` 5 builds an empty tokenizer from a model folder without tokenizer files (its config names the
+    class, the vocabulary is missing) instead of raising; the corpus would be a handful of end-of-text tokens.
+
+    Raises:
+        ValueError: Naming the folder, what it holds and the fix (``data.tokenizer``).
+    """
+    ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if ids and any(i != unknown for i in ids):
+        return
+    folder = Path(str(source)).expanduser()
+    held = ""
+    if folder.is_dir():
+        files = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+        held = (f"; the folder has {', '.join(files)}" if files else
+                f"; the folder has no tokenizer file ({', '.join(TOKENIZER_FILES[:4])}, ...)")
+    encoded = "no ids" if not ids else "unknown tokens only"
+    raise ValueError(f"TextFolderDataModule(tokenizer={source}): no usable tokenizer there: transformers built "
+                     f"{type(tokenizer).__name__} with {len(tokenizer)} token(s), and {PROBE_TEXT[:19]!r}... encodes "
+                     f"to {encoded}{held}. Fix: data.tokenizer=<a folder with the model's tokenizer files, or its hub "
+                     "id> (data.tokenizer defaults to model.pretrained)")
 
 
 def list_text_files(root: str | os.PathLike, patterns: Sequence[str] = DEFAULT_PATTERNS) -> list[Path]:
@@ -153,6 +188,7 @@ class TextFolderDataModule(CharLMDataModule):
         dm = TextFolderDataModule("my_texts/", tokenizer="path/to/hf_model", cache_dir=".cache/text")
     """
 
+    data_name = "text_folder"  # what its messages call it ("text_folder training order resumed ...")
     batch_kind = "tokenizer-ids->next-token"  # ids of the model's own tokenizer (lit_speed.run_contract.BatchSource)
 
     def __init__(self, root: str, tokenizer: Any, cache_dir: str, patterns: Sequence[str] = DEFAULT_PATTERNS,
@@ -215,6 +251,13 @@ class TextFolderDataModule(CharLMDataModule):
         return unigram_cross_entropy(np.memmap(self.corpus.train_path, dtype=dtype, mode="r"),
                                      np.memmap(self.corpus.val_path, dtype=dtype, mode="r"),
                                      vocab_size=self.corpus.meta["vocab_size"])
+
+    def token_limits(self) -> TokenLimits:
+        """The tokenizer's vocabulary (loaded now, and checked) and the window (``lit_speed.run_contract.TokenSource``)."""
+        source = self.tokenizer_source if isinstance(self.tokenizer_source, (str, os.PathLike)) else \
+            type(self.tokenizer_source).__name__
+        return TokenLimits(len(self.tokenizer), self.block_size, f"tokenizer={source}",
+                           positions_source=f"block_size={self.block_size}")
 
     def describe(self) -> dict[str, Any]:
         self.setup()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Iterator
 
@@ -48,6 +49,26 @@ def merge_adapters(model: nn.Module) -> int:
 def hf_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The direct children that are Hugging Face models (they have ``save_pretrained`` and a ``config``)."""
     return [(n, m) for n, m in module.named_children() if hasattr(m, "save_pretrained") and hasattr(m, "config")]
+
+
+def check_export_dir(out_dir: str | Path, owner: str = "PEFTAdapters") -> Path:
+    """Create ``out_dir`` (and its parents) and prove it writable with a probe file, before any training.
+
+    Raises:
+        ValueError: The folder cannot be created or written, naming why and the fix.
+    """
+    out = Path(out_dir).expanduser()
+    probe = out / f".write_probe_{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ValueError(f"{owner}(export_dir={out_dir}): the merged model could not be written there after training "
+                         f"({reason}: {error.filename or out}). Fix: export_dir=<a folder you can write to> "
+                         "(peft.export_dir=...), or export=false (peft.export=false)") from None
+    return out
 
 
 def _float32(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lit_speed.finetune.adapters import (ALL_LINEAR, METHODS, add_adapters, drop_frozen_from_optimizer,
                                          frozen_fingerprint, parameter_counts)
-from lit_speed.finetune.export import EXPORT_FORMATS, export_merged
+from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_merged
 from lit_speed.finetune.frozen_base import (BASE_DTYPES, COMPUTES, choose_base_compute, lower_frozen_base,
                                             set_base_compute)
 from lit_speed.precision.modes import spec as precision_spec
@@ -150,6 +150,8 @@ class PEFTAdapters(Callback):
                              "and lit_speed.finetune.export_merged on the consolidated model; or strategy=zero2")
         if self.base_dtype is not None:
             self._check_base_dtype(trainer)
+        if self.export and stage == "fit" and trainer.is_global_zero:  # rank 0 exports: fail now, not after training
+            check_export_dir(self._export_folder(trainer))
         if self.adapters_only_checkpoints and hasattr(trainer.strategy, "exclude_frozen_parameters"):
             trainer.strategy.exclude_frozen_parameters = True  # DeepSpeed writes the module itself: adapters only
 
@@ -252,13 +254,16 @@ class PEFTAdapters(Callback):
 
     @rank_zero_only
     def _export(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        out = Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "merged"
+        out = self._export_folder(trainer)
         # the tokenizer goes next to a Hugging Face model: the module's own, else the one the data was tokenized with
         tokenizer = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
         start = time.perf_counter()
         self.exported = export_merged(pl_module, out, tokenizer, self.export_format)
         self.export_seconds = round(time.perf_counter() - start, 3)
         rank_zero_info(f"PEFTAdapters: merged model written to {out} ({', '.join(sorted(self.exported))})")
+
+    def _export_folder(self, trainer: "pl.Trainer") -> Path:
+        return Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "merged"
 
     # ---- reports ------------------------------------------------------------------------------------------
 

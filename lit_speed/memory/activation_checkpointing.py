@@ -136,6 +136,14 @@ def restore_modules(root: nn.Module) -> int:
     return restored
 
 
+def activation_checkpointing_on(root: nn.Module) -> bool:
+    """Whether any submodule of ``root`` recomputes its activations in backward: wrapped by
+    :func:`checkpoint_modules`, by torch's ``checkpoint_wrapper``, or a Hugging Face model with gradient
+    checkpointing enabled (``gradient_checkpointing_enable()``)."""
+    return any(getattr(m, _ATTR, False) or type(m).__name__ == "CheckpointWrapper"
+               or getattr(m, "is_gradient_checkpointing", False) is True for m in root.modules())
+
+
 class ActivationCheckpointing(Callback):
     """Recompute the activations of chosen submodules in backward instead of keeping them.
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_speed.models.next_token import NextTokenSteps
+from lit_speed.run_contract import TokenLimits
 
 
 class CausalSelfAttention(nn.Module):
@@ -143,3 +144,9 @@ class GPTModule(NextTokenSteps, pl.LightningModule):
     def head_inputs(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, Any]]:
         head = self.model.lm_head
         return self.model.hidden(idx), head.weight, head.bias, {}
+
+    @classmethod
+    def input_limits(cls, config: Mapping[str, Any]) -> TokenLimits:
+        """Embedding rows and learned positions from the constructor arguments (``lit_speed.run_contract.TokenModel``)."""
+        vocab, block = int(config.get("vocab_size", 97)), int(config.get("block_size", 64))
+        return TokenLimits(vocab, block, f"vocab_size={vocab}", "learned", "GPT", f"block_size={block}")

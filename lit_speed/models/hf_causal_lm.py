@@ -10,13 +10,18 @@ Needs the ``finetune`` extra (``pip install -e ".[finetune]"``: transformers, pe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
 import torch
 
 import lit_speed  # the public names: hf_lm_head (lit_speed.memory)
 from lit_speed.models.next_token import NextTokenSteps
+from lit_speed.run_contract import TokenLimits
+
+# config keys of computed (rotary) positions, and model types with a learned table of max_position_embeddings rows
+ROTARY_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pct", "rotary_dim")
+LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode", "biogpt")
 
 
 def _needs_transformers(owner: str) -> Any:
@@ -95,3 +100,25 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
             spec = self._lm_head = lit_speed.hf_lm_head(self.model, owner=f"{type(self).__name__}(loss_chunk_mib=...)")
         hidden = spec.decoder(input_ids=idx, use_cache=False)[0]
         return hidden, spec.head.weight, spec.head.bias, spec.loss_options()
+
+    @classmethod
+    def input_limits(cls, config: Mapping[str, Any]) -> TokenLimits | None:
+        """Embedding rows and positions read from ``config.json`` alone, before any weight loads
+        (``lit_speed.run_contract.TokenModel``); ``None`` when the config cannot be read (building the model says why).
+        """
+        pretrained = config.get("pretrained")
+        try:
+            import transformers
+
+            hf = transformers.AutoConfig.from_pretrained(pretrained)
+        except Exception:  # noqa: BLE001 - no transformers, an offline hub id, no folder: the model's build names it
+            return None
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        vocab, positions = getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None)
+        if not isinstance(vocab, int):
+            return None
+        rotary = any(getattr(text, key, None) is not None for key in ROTARY_KEYS)
+        kind = "rotary" if rotary else "learned" if getattr(text, "model_type", "") in LEARNED_POSITIONS else ""
+        name = (getattr(hf, "architectures", None) or [type(hf).__name__.removesuffix("Config")])[0]
+        return TokenLimits(vocab, positions if isinstance(positions, int) else None, f"pretrained={pretrained}", kind,
+                           name)

@@ -127,6 +127,7 @@ class DeviceStatsLogger(Callback):
         self._peak_resolved = False
         self._warmup = True
         self._last_step = 0
+        self._checkpointing: bool | None = None
         self._samples = self._tokens = 0
         self._min_available: float | None = None
         self._memory_peak = 0.0  # max over ranks
@@ -172,7 +173,10 @@ class DeviceStatsLogger(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        from lit_speed import activation_checkpointing_on
+
         self._last_step = trainer.global_step
+        self._checkpointing = activation_checkpointing_on(pl_module)  # applied at setup, before this hook
         if self._gpu is not None:
             self._gpu.start()
 
@@ -288,7 +292,8 @@ class DeviceStatsLogger(Callback):
             gpu_util_pct=sum(self._gpu_util) / len(self._gpu_util) if self._gpu_util else None,
             memory_peak_bytes=self._memory_peak or None, memory_capacity_bytes=capacity,
             samples_per_sec=self._total_samples / total if total else None,
-            tokens_per_sec=self._total_tokens / total if total and self._total_tokens else None)
+            tokens_per_sec=self._total_tokens / total if total and self._total_tokens else None,
+            activation_checkpointing=self._checkpointing)
         self.result = diagnose(stats)
         per_rank = [self._own_memory_peak]
         if trainer.world_size > 1:

@@ -27,12 +27,14 @@ from lit_speed.run.config_error import ConfigError
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.run.config_error import RunStopped
-from lit_speed.run_contract import (AccumulationReport, EndOfRunReport, ModelPreparer, MonitoredModel,
-                                    SummaryExtra, SummaryReport, WorkloadReport, startup_rows_of)
+from lit_speed.run.console import quiet_upstream_notices
+from lit_speed.run_contract import (AccumulationPlan, AccumulationReport, EndOfRunReport, ModelPreparer,
+                                    MonitoredModel, SummaryExtra, SummaryReport, WorkloadReport, startup_rows_of)
+from lit_speed.run.run_checks import (check_activation_memory, check_checkpoint_matches, check_config,
+                                     check_tokens_fit_model)
 from lit_speed.run.fit_check import check_fits_memory
-from lit_speed.run.run_checks import check_activation_memory, check_checkpoint_matches, check_config
 from lit_speed.run.run_monitor import configured_monitor
-from lit_speed.run.run_plan_check import RunPlanCheck
+from lit_speed.run.run_plan_check import RunPlanCheck, largest_accumulation_factor
 from lit_speed.run.run_summary import RunSummary
 from lit_speed.tables import print_table
 from lit_speed.run.config_targets import model_takes_optimizer
@@ -59,6 +61,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    check_tokens_fit_model(datamodule, cfg.model)  # tokenizer vs embedding, window vs positions: before weights load
     # plain Python values (betas as a tuple, not a ListConfig): optimizer param groups are saved in every
     # checkpoint, and an OmegaConf object there makes it unloadable with torch.load(weights_only=True)
     # a model that takes no `optimizer` argument, or whose config sets its own, builds its own optimizer
@@ -132,12 +135,47 @@ def _accumulation_factor(trainer: pl.Trainer, callbacks: list[Any]) -> int:
     return trainer.accumulate_grad_batches
 
 
+def effective_batch_row(micro: int | None, world: int, trainer: pl.Trainer, callbacks: list[Any]) -> tuple[str, int]:
+    """The effective batch at the start and where an accumulation schedule takes it; and the largest factor."""
+    plan = next((cb for cb in callbacks if isinstance(cb, AccumulationPlan)), None)
+    if plan is not None:
+        accum, largest, then = plan.accumulation_plan(micro, world)
+    else:
+        accum, then = _accumulation_factor(trainer, callbacks), ""
+        largest = largest_accumulation_factor(callbacks, trainer.accumulate_grad_batches)
+    if micro:
+        row = f"{micro} micro x {accum} accumulation x {world} process(es) = {micro * accum * world}"
+    else:
+        row = f"accumulation {accum}, world size {world}"
+    return row + (f" at the start; {then}" if then else ""), max(accum, largest)
+
+
+def validation_row(trainer: pl.Trainer, largest_factor: int) -> str:
+    """When validation runs, and what ``val_check_interval`` counts when gradients accumulate."""
+    if trainer.limit_val_batches == 0:
+        return "off (trainer.limit_val_batches=0)"
+    interval, every_n = trainer.val_check_interval, trainer.check_val_every_n_epoch
+    if not isinstance(interval, (int, float)) or isinstance(interval, bool):
+        return f"every {interval} of wall time (trainer.val_check_interval)"
+    epochs = "of each epoch" if every_n == 1 else f"of every {every_n}th epoch" if every_n else "counted across epochs"
+    if isinstance(interval, float):
+        end = "at the end of each epoch" if every_n == 1 else f"at the end of every {every_n}th epoch"
+        return end if interval == 1.0 else f"every {interval:g} of an epoch, {epochs}"
+    row = f"every {interval} training batches {epochs} (trainer.val_check_interval)"
+    if largest_factor > 1:
+        row += (f": training batches are micro-batches, so under x{largest_factor} accumulation that is every "
+                f"~{max(1, round(interval / largest_factor))} optimizer steps; to count optimizer steps: "
+                "'callbacks=[default,validate_every_n_steps]' callbacks.validate_every_n_steps.every_n_steps=<N> "
+                "trainer.val_check_interval=null")
+    return row
+
+
 def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
     """One row per setting that changes speed or memory, with the derived effective batch."""
     trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
     micro = getattr(dm, "batch_size", None)
-    accum = _accumulation_factor(trainer, parts["callbacks"])
     world = trainer.world_size
+    batch_row, largest_factor = effective_batch_row(micro, world, trainer, parts["callbacks"])
     params = {id(p): p for p in model.parameters()}.values()  # tied weights once
     n_params = sum(p.numel() for p in params)
     n_trainable = sum(p.numel() for p in params if p.requires_grad)
@@ -146,14 +184,14 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
         "precision": getattr(precision, "precision", str(trainer.precision)),
         "strategy": f"{type(trainer.strategy).__name__} on {type(trainer.accelerator).__name__} "
                     f"({trainer.num_devices} device(s) x {trainer.num_nodes} node(s))",
-        "effective batch": f"{micro} micro x {accum} accumulation x {world} process(es) = {micro * accum * world}"
-        if micro else f"accumulation {accum}, world size {world}",
+        "effective batch": batch_row,
         "model": f"{type(model).__name__}: {n_params:,} parameters" + (
             f" ({n_trainable:,} trainable, {n_params - n_trainable:,} frozen)" if n_trainable != n_params else ""),
         "optimizer": optimizer_row(parts["optimizer"]),
         "threads": f"{torch.get_num_threads()} intra-op (torch)",
         "monitor": f"{cfg.monitor} ({cfg.monitor_mode})" if cfg.monitor is not None else
                    "none named: chosen at the first validation from the metrics it logs (a val loss first)",
+        "validation": validation_row(trainer, largest_factor),  # a cadence callback's own row replaces it
     }
     if parts["optimizer"] is None and cfg.get("optimizer") is not None:
         rows["optimizer"] = "the model's own (its config's model.optimizer, or configure_optimizers): optimizer= unused"
@@ -262,6 +300,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict."""
     t0 = time.perf_counter()
     before = {"startup": seconds_since_launch()}  # imports, Hydra's composition, the pre-flight
+    quiet_upstream_notices()  # Lightning's litlogger tip, torch's deprecation of a name Lightning uses
     paths = config_paths(cfg)
     with _refusals_as_config_errors(lambda: True, paths):
         check_config(cfg)  # the config alone: before anything is built

@@ -259,23 +259,24 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     # -- reporting -----------------------------------------------------------------------------------------
-    def memory_estimate(self, num_params: int, stage: int | None = None) -> ModelStateBytes:
+    def memory_estimate(self, num_params: int, stage: int | None = None, frozen_params: int = 0) -> ModelStateBytes:
         """Per-rank bytes of model states for this stage (or ``stage``: 0 for DeepSpeed without ZeRO, on one rank),
-        offload, precision and world size."""
+        offload, precision and world size; ``frozen_params`` (a frozen base under adapters) take parameter memory
+        on every rank (sharded at stage 3) but no gradient or optimizer state."""
         precision = self.precision_plugin.precision
         if stage is not None:
             return model_state_bytes(num_params, precision, layout=ZeroLayout(stage, deepspeed=True),
-                                     state_bytes=self._state_bytes)
+                                     frozen_params=frozen_params, state_bytes=self._state_bytes)
         layout = ZeroLayout(self.stage, self.offload_optimizer, self.offload_parameters, deepspeed=True)
         return model_state_bytes(num_params, precision, layout=layout, world_size=self.world_size,
-                                 state_bytes=self._state_bytes)
+                                 frozen_params=frozen_params, state_bytes=self._state_bytes)
 
     def _log_estimate(self) -> None:
         module = self.lightning_module
         if module is None:
             return
-        n = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        self._estimate = est = self.memory_estimate(n)
+        n, frozen = _parameter_counts(module)
+        self._estimate = est = self.memory_estimate(n, frozen_params=frozen)
         rank_zero_info(f"ZeRO-{self.stage} model states per rank: params {format_bytes(est.params)}, grads "
                        f"{format_bytes(est.grads)}, optimizer {format_bytes(est.optimizer)} "
                        f"({format_bytes(est.host)} in host RAM)")
@@ -288,10 +289,11 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
                         f"{self.world_size} rank(s), {self.precision_plugin.precision}"}
         model = model if model is not None else self.lightning_module
         if model is not None:
-            n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            est, ddp = self.memory_estimate(n), self.memory_estimate(n, stage=0)
+            n, frozen = _parameter_counts(model)
+            est, ddp = self.memory_estimate(n, frozen_params=frozen), self.memory_estimate(n, 0, frozen)
+            counted = f"{n:,} trainable + {frozen:,} frozen parameters: " if frozen else ""
             rows["zero model states / rank"] = (
-                f"params {format_bytes(est.params)} + grads {format_bytes(est.grads)} + optimizer "
+                f"{counted}params {format_bytes(est.params)} + grads {format_bytes(est.grads)} + optimizer "
                 f"{format_bytes(est.optimizer)} = {format_bytes(est.total)} "
                 f"({format_bytes(est.host)} in host RAM; DDP: {format_bytes(ddp.total)})")
         else:
@@ -358,3 +360,9 @@ def _read_config(config: Mapping[str, Any] | str | Path | None) -> dict[str, Any
         pass
     return dict(config)
 
+
+def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """``(trainable, frozen)`` parameter elements, tied weights counted once: every rank holds the frozen ones too."""
+    params = {id(p): p for p in model.parameters()}.values()
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return trainable, sum(p.numel() for p in params) - trainable

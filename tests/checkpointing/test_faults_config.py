@@ -152,6 +152,43 @@ CASES = {
                                              r"no arguments 'adamw_lr', 'momentum'", True),
 }
 
+# ---- issue 33 (checks): one line where a new user got a traceback, silence or a misleading line ----------------
+OWN_CONF = Path(mkdtemp(prefix="own_conf_"))  # a user's config folder with a file that is not YAML
+(OWN_CONF / "model").mkdir()
+(OWN_CONF / "model" / "broken.yaml").write_text("_target_: my_pkg.Model\nlayers: [1, 2\nwidth: 3\n")
+OTHER_MODEL = Path(mkdtemp(prefix="other_model_")) / "other.pt"  # 1 tensor in common with the MLP, 2 of its own
+torch.save({"net.0.weight": torch.zeros(256, 64), "encoder.0.weight": torch.zeros(2), "encoder.1.weight": torch.zeros(2)},
+           OTHER_MODEL)
+CASES.update({
+    "own_config_not_yaml": (["--config-dir", str(OWN_CONF), "model=broken"],
+                            r"model=broken: .*broken\.yaml is not valid YAML \(.*line 3, column \d+; while parsing a "
+                            r"flow sequence from line 2\)\. Fix: correct that line", False),
+    "nested_key_from_the_top": (["validation_budget.max_fraction=2"],
+                                r"it is callbacks\.validation_budget\.max_fraction, which the callbacks option "
+                                r"validation_budget adds\. Fix: 'callbacks=\[default,validation_budget\]'", False),
+    "batch_transform_not_a_function": (["data.batch_transform=foo"],
+                                       r"data\.batch_transform='foo': DigitsDataModule\(batch_transform='foo'\): must "
+                                       r"be a function", True),
+    "effective_batch_not_a_multiple": (["accumulation=ramp", "accumulation.effective_batch=[[0,100]]"],
+                                       r"effective_batch\[0\] = 100 is not divisible by micro_batch \(64\) x world size "
+                                       r"\(1\) = 64; use 64 or 128", True),
+    "threads_above_the_cores": (["precision.threads=1000"], r"precision\.threads=1000: GuardedPrecision\(threads=1000\)"
+                                r": more than the \d+ CPU core\(s\) this process may run on", True),
+    "peft_option_unknown": (["peft=lora", "+peft.options.use_foo=true"],
+                            r"'use_foo' is not an argument of peft's LoraConfig\. Did you mean use_dora\? It takes: ",
+                            True),
+    "export_folder_not_writable": (["peft=lora", "peft.export_dir=/proc/forbidden"],
+                                   r"peft\.export_dir=/proc/forbidden: PEFTAdapters\(export_dir=/proc/forbidden\): the "
+                                   r"merged model could not be written there after training", True),
+    "validation_steps_and_batches_both": (["callbacks=[default,validate_every_n_steps]", "trainer.val_check_interval=5"],
+                                          r"callbacks\.validate_every_n_steps: ValidateEveryNSteps: Trainer\("
+                                          r"val_check_interval=5\) would be ignored.*Fix: trainer\.val_check_interval="
+                                          r"null", True),
+    "init_from_another_model": (["init=weights", f"init.path={OTHER_MODEL}"],
+                                r"only 1 of MLPClassifier's \d+ tensors match the file's 3 by name and shape: it holds "
+                                r"another model", True),
+})
+
 
 @lru_cache(maxsize=None)
 def _run(case: str) -> tuple[CompletedProcess, Path]:

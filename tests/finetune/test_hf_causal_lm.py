@@ -245,3 +245,39 @@ def test_text_folder_validates_auto_windows_in_micro_batches_and_refuses_a_bad_c
     assert "auto: 5% of the training tokens" in dm.describe()["validation"]
     with pytest.raises(ValueError, match=r"max_val_windows='many'.*Fix: max_val_windows=auto"):
         TextFolderDataModule(str(texts), str(hf_folder), str(tmp_path), max_val_windows="many")
+
+def test_an_empty_tokenizer_is_refused_naming_the_folder_and_data_tokenizer(tmp_path):
+    # transformers 5 builds a 1-token tokenizer from a model folder without tokenizer files instead of raising
+    from lit_speed.data.text_folder import load_tokenizer
+
+    folder = save_tiny_causal_lm(tmp_path / "weights_only", "qwen2", tokenizer=False)
+    with pytest.raises(ValueError, match=rf"TextFolderDataModule\(tokenizer={folder}\): no usable tokenizer there: "
+                                         r"transformers built \w+ with 1 token\(s\), and 'The quick brown fox'\.\.\. "
+                                         r"encodes to no ids; the folder has no tokenizer file .*Fix: data\.tokenizer="):
+        load_tokenizer(str(folder))
+
+
+def test_model_and_data_say_their_token_limits_before_the_weights_load(tmp_path, texts):
+    from lit_speed.run_contract import TokenLimits, TokenModel, TokenSource
+
+    folder = save_tiny_causal_lm(tmp_path / "opt", "opt", max_positions=64)
+    assert isinstance(HFCausalLM, TokenModel)
+    limits = HFCausalLM.input_limits({"pretrained": str(folder)})
+    assert limits == TokenLimits(len(tiny_tokenizer()), 64, f"pretrained={folder}", "learned", "OPTForCausalLM")
+    assert HFCausalLM.input_limits({"pretrained": str(tmp_path / "nothing")}) is None  # the model's build says why
+    data = TextFolderDataModule(str(texts), tokenizer=str(folder), cache_dir=str(tmp_path / "cache"), block_size=48)
+    assert isinstance(data, TokenSource)
+    assert data.token_limits() == TokenLimits(len(tiny_tokenizer()), 48, f"tokenizer={folder}",
+                                              positions_source="block_size=48")
+
+
+def test_a_gpt_smaller_than_the_character_vocabulary_is_refused_naming_its_setting(make_cfg):
+    from lit_speed.run.config_error import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model\.vocab_size=50: the data's ids come from the fixed 97-character "
+                                          r"vocabulary \(97 ids\), the embedding of GPT has 50 rows \(model\.vocab_size="
+                                          r"50\): ids 50 to 96 would index outside it .*Fix: model\.vocab_size=97$"):
+        train(make_cfg(["experiment=charlm_cpu", "model.vocab_size=50", "data.max_bytes=100000"]))
+    with pytest.raises(ConfigError, match=r"^data\.block_size=64: longer than the 32 positions of GPT \(model\."
+                                          r"block_size=32\): .*learned table of 32 rows.*Fix: data\.block_size=32"):
+        train(make_cfg(["experiment=charlm_cpu", "model.block_size=32", "data.max_bytes=100000"]))

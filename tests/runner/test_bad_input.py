@@ -351,3 +351,105 @@ def test_resuming_adapters_without_the_peft_option_names_the_fix(make_cfg, tmp_p
         train(make_cfg([*SHORT, "trainer.max_epochs=2", f"ckpt_path={adapters}"]))
     summary = train(make_cfg([*SHORT, "trainer.max_epochs=2", "peft=lora", f"ckpt_path={adapters}"]))
     assert summary["global_step"] == 4  # resumed: 2 more steps
+
+
+# ---- issue 33 (checks): tracebacks, silent acceptances and misleading lines a new user met ----------------------
+PREFLIGHT_CASES_33 = {
+    # D: a key given from the top level that lives under a group named its full path
+    "validation_budget.max_fraction=2": r"^validation_budget\.max_fraction=2: no key 'validation_budget' at the top "
+                                        r"level; it is callbacks\.validation_budget\.max_fraction, which the callbacks "
+                                        r"option validation_budget adds\. Fix: 'callbacks=\[default,validation_budget\]'"
+                                        r" callbacks\.validation_budget\.max_fraction=2$",
+    "lora.r=4": r"^lora\.r=4: no key 'lora' at the top level; lora is an option of the peft group\. Fix: peft=lora "
+                r"peft\.r=4$",
+}
+
+
+@pytest.mark.parametrize("override", list(PREFLIGHT_CASES_33))
+def test_a_nested_key_from_the_top_level_names_where_it_lives(override):
+    with pytest.raises(ConfigError, match=PREFLIGHT_CASES_33[override]):
+        preflight([override])
+
+
+def test_the_named_home_of_a_nested_key_is_a_fix_that_composes():
+    preflight(["callbacks=[default,validation_budget]", "callbacks.validation_budget.max_fraction=0.1"])
+    preflight(["peft=lora", "peft.r=4"])
+
+
+@pytest.mark.parametrize("text", ["_target_: foo\n  bad: [yaml\n", "_target_: a.b\nx: [1, 2\ny: 3\n"])
+def test_an_own_config_file_that_is_not_yaml_names_the_option_the_file_and_the_line(tmp_path, text):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "broken.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=rf"^model=broken: {tmp_path}/model/broken\.yaml is not valid YAML \(.*, "
+                                          r"line \d+, column \d+.*\)\. Fix: correct that line of the file"):
+        preflight(["--config-dir", str(tmp_path), "model=broken"])
+
+
+# override(s) -> the one line (each refused before the first training batch; the last column: what it used to do)
+TRAIN_CASES_33 = {
+    "data.batch_transform=foo": r"^data\.batch_transform='foo': DigitsDataModule\(batch_transform='foo'\): must be a "
+                                r"function batch -> batch or None, got a str\. Fix: .*data\.batch_transform=\{_target_:",
+    # (a TypeError at the first batch)
+    "precision.threads=1000": r"^precision\.threads=1000: GuardedPrecision\(threads=1000\): more than the \d+ CPU "
+                              r"core\(s\) this process may run on .*Fix: threads=\d+ \(or fewer\)",  # (ran 3.5x slower)
+    "accumulation=ramp accumulation.effective_batch=[[0,100]]":
+        r"^accumulation\.effective_batch=\{0: 100\}: AccumulationScheduler\(effective_batch=\{0: 100\}\): "
+        r"effective_batch\[0\] = 100 is not divisible by micro_batch \(64\) x world size \(1\) = 64; use 64 or 128",
+    # (trained at 64)
+    "peft=lora +peft.options.use_foo=true": r"^peft\.options=\{'use_foo': True\}: PEFTAdapters\(options=\{'use_foo': "
+                                            r"True\}\): 'use_foo' is not an argument of peft's LoraConfig\. Did you mean "
+                                            r"use_dora\? It takes: .*use_rslora.*Fix: drop it \(~peft\.options\.use_foo\)",
+    # (blamed peft.target_modules)
+    "peft=lora +peft.options.lora_alpha=4": r"'lora_alpha' is PEFTAdapters' own argument 'alpha'.*Fix: peft\.alpha=4",
+    "peft=lora +peft.options.init_lora_weights=foo": r"^peft\.options=.*peft refused init_lora_weights \(Unknown "
+                                                     r"initialization.*Fix: .*~peft\.options\.init_lora_weights",
+}
+
+
+@pytest.mark.parametrize("command", list(TRAIN_CASES_33))
+def test_issue_33_commands_stop_in_one_line_before_training(make_cfg, tmp_path, command):
+    with pytest.raises(ConfigError, match=TRAIN_CASES_33[command]) as error:
+        preflight(command.split())
+        train(make_cfg([*command.split(), *SHORT, "callbacks=model_checkpoint"]))
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "checkpoints").exists(), "a training step ran"
+
+
+def test_an_export_folder_that_cannot_be_written_is_refused_before_training(make_cfg, tmp_path):
+    # (was a FileNotFoundError at the merged export, after training)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=rf"^peft\.export_dir={tmp_path}/a_file/merged: PEFTAdapters\(export_dir="
+                                          r".*\): the merged model could not be written there after training \(Not a "
+                                          r"directory: .*\)\. Fix: export_dir=<a folder you can write to> "
+                                          r"\(peft\.export_dir=\.\.\.\), or export=false"):
+        train(make_cfg([*SHORT, "callbacks=model_checkpoint", "peft=lora", f"peft.export_dir={tmp_path}/a_file/merged"]))
+    assert not (tmp_path / "checkpoints").exists(), "a training step ran"
+
+
+@pytest.fixture
+def other_model_weights(tmp_path):
+    """A state_dict of another model that shares one tensor (name and shape) with the MLP: its first layer."""
+    mlp = MLPClassifier()
+    first = next(k for k in mlp.state_dict() if k.endswith("weight"))
+    path = tmp_path / "other.pt"
+    torch.save({first: mlp.state_dict()[first].clone(), "encoder.layers.0.weight": torch.zeros(3, 3),
+                "encoder.layers.1.weight": torch.zeros(3, 3)}, path)
+    return path, len(mlp.state_dict())
+
+
+def test_init_weights_of_another_model_says_how_many_match_and_does_not_suggest_strict_false(make_cfg,
+                                                                                             other_model_weights):
+    path, n = other_model_weights
+    with pytest.raises(ConfigError, match=rf"^init\.path={path}: InitWeights\(path={path}\): only 1 of MLPClassifier's "
+                                          rf"{n} tensors match the file's 3 by name and shape: it holds another model "
+                                          r".*Fix: weights written by this model") as error:
+        train(make_cfg([*SHORT, "init=weights", f"init.path={path}"]))
+    assert "strict=false" not in str(error.value)
+
+
+def test_init_weights_of_another_model_with_strict_false_warns_that_most_train_from_random(make_cfg,
+                                                                                           other_model_weights):
+    path, n = other_model_weights
+    with pytest.warns(UserWarning, match=rf"only 1 of the model's {n} tensors were in the file; the rest trains from "
+                                         "its random initialisation"):
+        train(make_cfg([*SHORT, "init=weights", f"init.path={path}", "init.strict=false"]))
