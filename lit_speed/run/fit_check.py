@@ -167,8 +167,12 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
     files = glob.glob(str(folder / "*.safetensors")) + glob.glob(str(folder / "*.bin"))
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if cfg.get("optimizer") else None
-    precision = cfg.precision.get("mode", cfg.precision.get("precision", "32-true")) if cfg.get("precision") \
-        else "32-true"
+    from lit_speed.precision.modes import AUTO, BASELINE, TABLE
+
+    precision = cfg.precision.get("mode", cfg.precision.get("precision", BASELINE)) if cfg.get("precision") \
+        else BASELINE
+    if precision == AUTO or precision not in TABLE:  # auto decides at the first batch: float32 is its largest case
+        precision = BASELINE
     return RunFacts(config, int(text.num_hidden_layers), int(text.vocab_size),
                     int(cfg.data.batch_size) * int(cfg.data.block_size), frozen, trainable,
                     sum(os.path.getsize(f) for f in files), 2 if "16" in dtype else 4, str(precision), optimizer)
@@ -214,7 +218,7 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
                                            adapters, levers)
         return models[(layers, vocab)]
 
-    autocast_dtype = spec(facts.precision).autocast_dtype if facts.precision in ("bf16-mixed", "16-mixed") else None
+    autocast_dtype = spec(facts.precision).autocast_dtype
     autocast = functools.partial(torch.autocast, "cpu", dtype=autocast_dtype) if autocast_dtype else \
         contextlib.nullcontext
     probe = probe_scaled(build, lambda m, ids: m.model(input_ids=ids, labels=ids).loss, autocast)
