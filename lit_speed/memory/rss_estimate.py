@@ -67,8 +67,9 @@ def _plane(points: dict[tuple[int, int], float]) -> tuple[float, float, float]:
 
 def probe_scaled(build: Callable[[int, int], nn.Module], step: Callable[[nn.Module, torch.Tensor], torch.Tensor],
                  autocast: contextlib.AbstractContextManager | Callable[[], contextlib.AbstractContextManager] =
-                 contextlib.nullcontext) -> ScaledProbe:
-    """Measure one training step of ``build(layers, vocab)`` on windows of :data:`PROBE_TOKENS` tokens.
+                 contextlib.nullcontext, tokens: tuple[int, int] = PROBE_TOKENS) -> ScaledProbe:
+    """Measure one training step of ``build(layers, vocab)`` on windows of ``tokens`` tokens (two lengths; a model
+    with fewer positions than :data:`PROBE_TOKENS` gets shorter ones).
 
     Args:
         build: Returns the small model prepared as the run prepares it (adapters, base dtype, chunked loss,
@@ -83,8 +84,8 @@ def probe_scaled(build: Callable[[int, int], nn.Module], step: Callable[[nn.Modu
                           (PROBE_LAYERS[0], PROBE_VOCABS[1])):
         model = build(layers, vocab)
         peaks, forward_peaks = [], []
-        for tokens in PROBE_TOKENS:
-            ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+        for length in tokens:
+            ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
             model.zero_grad(set_to_none=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -95,9 +96,9 @@ def probe_scaled(build: Callable[[int, int], nn.Module], step: Callable[[nn.Modu
                     loss.backward()
             peaks.append(tracker.peak_bytes)
         model.zero_grad(set_to_none=True)
-        span = PROBE_TOKENS[1] - PROBE_TOKENS[0]
+        span = tokens[1] - tokens[0]
         slope[(layers, vocab)] = (peaks[1] - peaks[0]) / span
-        const[(layers, vocab)] = peaks[0] - slope[(layers, vocab)] * PROBE_TOKENS[0]
+        const[(layers, vocab)] = peaks[0] - slope[(layers, vocab)] * tokens[0]
         forward[(layers, vocab)] = (forward_peaks[1] - forward_peaks[0]) / span
         del model
     return ScaledProbe(_plane(const), _plane(slope), _plane(forward))

@@ -69,7 +69,9 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
         try:
             if from_config:
                 config = transformers.AutoConfig.from_pretrained(pretrained)
-                self.model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+                # float32 as from_pretrained below: from_config builds in the config's dtype (bf16 for most released
+                # models), whose matmuls are 50-500x slower on CPUs without bf16 kernels
+                self.model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
             else:  # float32 weights: the precision plugin decides the compute dtype
                 self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32, **kwargs)
         except (OSError, ValueError) as error:

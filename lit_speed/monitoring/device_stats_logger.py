@@ -18,6 +18,7 @@ from lit_speed.monitoring.flops import FlopCount, contains_compiled, gpu_peak_fl
 from lit_speed.monitoring.samplers import HostStats, NvmlSampler, batch_size_and_tokens, summarize_gpu_samples
 from lit_speed.monitoring.step_timer import StepTimer, TimeSplit
 from lit_speed.precision.modes import compute_dtype
+from lit_speed.precision.probe import cpu_has_native_bf16
 from lit_speed.tables import print_table
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,14 @@ class DeviceStatsLogger(Callback):
         elif device.type == "cpu":
             self._peak = measure_cpu_peak_flops(dtype)
             self._peak_source = f"{dtype} matmul probe, {torch.get_num_threads()} threads"
+            if dtype != torch.float32 and not cpu_has_native_bf16():
+                # no bf16/fp16 matmul units: the kernels convert and multiply in float32 (small shapes at float32
+                # speed, large ones far slower), so the hardware's peak is the float32 one when that is higher
+                fp32 = measure_cpu_peak_flops(torch.float32)
+                if fp32 > self._peak:
+                    self._peak = fp32
+                    self._peak_source = (f"torch.float32 matmul probe, {torch.get_num_threads()} threads (this CPU "
+                                         f"has no {dtype} matmul units; its float32 peak is higher)")
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

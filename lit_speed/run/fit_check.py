@@ -15,6 +15,7 @@ import functools
 import glob
 import json
 import os
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -134,7 +135,8 @@ class RunFacts:
     config: Any
     layers: int
     vocab: int
-    tokens: int
+    tokens: int          # per micro-batch
+    block: int
     frozen: int
     trainable: int
     file_bytes: int
@@ -174,8 +176,37 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
     if precision == AUTO or precision not in TABLE:  # auto decides at the first batch: float32 is its largest case
         precision = BASELINE
     return RunFacts(config, int(text.num_hidden_layers), int(text.vocab_size),
-                    int(cfg.data.batch_size) * int(cfg.data.block_size), frozen, trainable,
+                    int(cfg.data.batch_size) * int(cfg.data.block_size), int(cfg.data.block_size), frozen, trainable,
                     sum(os.path.getsize(f) for f in files), 2 if "16" in dtype else 4, str(precision), optimizer)
+
+
+def probe_lengths(config: Any) -> tuple[int, int]:
+    """The probe's two window lengths: :data:`~lit_speed.memory.rss_estimate.PROBE_TOKENS`, shorter for a model
+    with fewer learned positions (an index past them is an IndexError, not a measurement)."""
+    from lit_speed.memory.rss_estimate import PROBE_TOKENS
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if not positions or positions >= PROBE_TOKENS[1]:
+        return PROBE_TOKENS
+    return max(positions // 2, 1), int(positions)
+
+
+def generous_bound(facts: RunFacts, process: int) -> int:
+    """An upper bound of the peak RSS from the config alone, with no probe: every parameter float32 with a
+    gradient and AdamW state, activations at eager attention's widest (scores and probabilities of every head in
+    float32), the logits and their gradient several times over, all x1.5. When it fits, the probe is not run
+    (tiny models, small windows); when it does not, :func:`estimate_run` measures."""
+    text = facts.config.get_text_config() if hasattr(facts.config, "get_text_config") else facts.config
+    hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 4096)
+    inner = int(getattr(text, "intermediate_size", 0) or getattr(text, "ffn_dim", 0)
+                or getattr(text, "n_inner", 0) or 4 * hidden)
+    heads = int(getattr(text, "num_attention_heads", 0) or getattr(text, "n_head", 0) or 32)
+    params = facts.frozen + facts.trainable
+    state = params * 4 + facts.trainable * (4 + 8 + 8)
+    activations = facts.tokens * (facts.layers * (hidden * 80 + inner * 24 + heads * facts.block * 12)
+                                  + facts.vocab * 24)
+    return int(process + 1.5 * max(state + activations, params * 4 + facts.file_bytes))
 
 
 def _state_bytes(facts: RunFacts, levers: Levers, trainable: list[nn.Parameter]) -> float:
@@ -214,14 +245,15 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
 
     def build(layers: int, vocab: int) -> nn.Module:
         torch.manual_seed(0)
-        models[(layers, vocab)] = _prepare(AutoModelForCausalLM.from_config(_small(facts.config, layers, vocab)),
-                                           adapters, levers)
+        small = AutoModelForCausalLM.from_config(_small(facts.config, layers, vocab), dtype=torch.float32)
+        models[(layers, vocab)] = _prepare(small, adapters, levers)
         return models[(layers, vocab)]
 
     autocast_dtype = spec(facts.precision).autocast_dtype
     autocast = functools.partial(torch.autocast, "cpu", dtype=autocast_dtype) if autocast_dtype else \
         contextlib.nullcontext
-    probe = probe_scaled(build, lambda m, ids: m.model(input_ids=ids, labels=ids).loss, autocast)
+    probe = probe_scaled(build, lambda m, ids: m.model(input_ids=ids, labels=ids).loss, autocast,
+                         tokens=probe_lengths(facts.config))
     small = models[(1, 512)]
     _frozen, small_trainable = count_parameters(small)
     trainable_params = [p for p in small.parameters() if p.requires_grad]
@@ -279,7 +311,14 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> No
     available = psutil.virtual_memory().available if available_bytes is None else available_bytes
     budget = process + available
     configured = configured_levers(cfg)
-    estimate = estimate_run(cfg, configured, process)
+    if generous_bound(run_facts(cfg, hf_folder(cfg), configured), process) <= budget:
+        return  # fits even counted generously: no probe
+    try:
+        estimate = estimate_run(cfg, configured, process)
+    except Exception as error:  # noqa: BLE001 - a probe that cannot run must not stop a run it cannot judge
+        warnings.warn(f"lit_speed.run.fit_check: the memory estimate could not run ({type(error).__name__}: "
+                      f"{error}); the run goes on unchecked. scripts/plan.py shows the estimate's parts", stacklevel=2)
+        return
     if estimate.peak <= budget:
         return
     callbacks = list(_callback_nodes(cfg))
