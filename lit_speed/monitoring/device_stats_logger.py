@@ -18,7 +18,7 @@ from lit_speed.monitoring.flops import FlopCount, contains_compiled, gpu_peak_fl
 from lit_speed.monitoring.samplers import HostStats, NvmlSampler, batch_size_and_tokens, summarize_gpu_samples
 from lit_speed.monitoring.step_timer import StepTimer, TimeSplit
 from lit_speed.precision.modes import compute_dtype
-from lit_speed.precision.probe import cpu_has_native_bf16
+from lit_speed.compat.torch import cpu_has_native_bf16
 from lit_speed.tables import print_table
 
 log = logging.getLogger(__name__)
