@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from lit_speed.data.charlm import CharLMDataModule, Corpus, TokenWindows, read_texts, unigram_cross_entropy
+from lit_speed.data.charlm import (CharLMDataModule, Corpus, TokenWindows, read_texts, source_root,
+                                   unigram_cross_entropy)
 from lit_speed.run_contract import TokenLimits
 
 DEFAULT_PATTERNS = ("**/*.txt", "**/*.md", "**/*.rst", "**/*.py")
@@ -74,8 +75,9 @@ def check_tokenizer_usable(tokenizer: Any, source: str) -> None:
 
 
 def list_text_files(root: str | os.PathLike, patterns: Sequence[str] = DEFAULT_PATTERNS) -> list[Path]:
-    """Files under ``root`` matching ``patterns``, sorted by relative path (links and hidden folders skipped)."""
-    root = Path(root).expanduser()
+    """Files under ``root`` matching ``patterns``, sorted by relative path (links and hidden folders skipped).
+    A name that is no folder but an installed package (``lightning``) means that package's source folder."""
+    root = source_root(root)
     if not root.is_dir():
         raise FileNotFoundError(f"TextFolderDataModule(root={root}): no such folder. Fix: data.root=<a folder of "
                                 "text files>")
