@@ -49,6 +49,7 @@ _EXPORTS = {
     "lower_frozen_base": "lit_speed.finetune.frozen_base",
     "choose_base_compute": "lit_speed.finetune.frozen_base",
     "frozen_base_bytes": "lit_speed.finetune.frozen_base",
+    "upcast_unlowered": "lit_speed.finetune.frozen_base",
     "load_weights": "lit_speed.finetune.weights",
     "HFCausalLM": "lit_speed.models.hf_causal_lm",
     "TextFolderDataModule": "lit_speed.data.text_folder",

@@ -203,7 +203,7 @@ FINGERPRINT_SAMPLE = 65_536
 
 
 def frozen_fingerprint(model: nn.Module) -> str:
-    """SHA-256 (16 hex digits) of the frozen tensors' names, shapes, dtypes and values: the base an adapter checkpoint
+    """SHA-256 (16 hex digits) of the frozen tensors' names, shapes and values: the base an adapter checkpoint
     belongs to.
 
     Each tensor contributes up to :data:`FINGERPRINT_SAMPLE` evenly spaced elements, read in place: hashing every
@@ -215,10 +215,15 @@ def frozen_fingerprint(model: nn.Module) -> str:
     for name, tensor in model.state_dict().items():
         if name in trainable or not isinstance(tensor, torch.Tensor):
             continue
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
+        # floating tensors as float32 values: a base read in bf16 from a bf16 file (peft.base_dtype=bf16 loads it so)
+        # is the same base as that file read in float32
+        kind = "float" if tensor.is_floating_point() else str(tensor.dtype)
+        digest.update(f"{name}|{tuple(tensor.shape)}|{kind}".encode())
         flat = tensor.detach().reshape(-1)
         if flat.numel() > FINGERPRINT_SAMPLE:
             flat = flat[:: flat.numel() // FINGERPRINT_SAMPLE][:FINGERPRINT_SAMPLE]
+        if flat.is_floating_point():
+            flat = flat.float()
         if flat.numel():
             digest.update(flat.cpu().contiguous().view(torch.uint8).numpy())
     return digest.hexdigest()[:16]

@@ -163,6 +163,20 @@ def unwrap_frozen_base(model: nn.Module) -> int:
     return len(wrapped)
 
 
+def upcast_unlowered(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Cast every floating parameter and buffer of ``model`` held in bf16/fp16 to ``dtype``, except the weights
+    :func:`lower_frozen_base` lowered; returns how many tensors changed. A model read in bf16 from a bf16 file (to
+    skip a float32 copy of the whole base while loading) becomes the model read in float32 and then lowered."""
+    keep = {id(m.weight) for m in model.modules() if getattr(m, _ATTR, False)}
+    changed = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in keep or not tensor.is_floating_point() or tensor.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        tensor.data = tensor.data.to(dtype)
+        changed += 1
+    return changed
+
+
 def frozen_base_bytes(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
     """``(bytes now, bytes held in dtype)`` of the frozen weights :func:`lower_frozen_base` would lower: the planner's
     question "what does a low-precision base save" (tied weights counted once)."""

@@ -21,7 +21,7 @@ from lit_speed.finetune.adapters import (ALL_LINEAR, METHODS, add_adapters, drop
                                          frozen_fingerprint, parameter_counts)
 from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_merged
 from lit_speed.finetune.frozen_base import (BASE_DTYPES, COMPUTES, choose_base_compute, lower_frozen_base,
-                                            set_base_compute)
+                                            set_base_compute, upcast_unlowered)
 from lit_speed.precision.modes import spec as precision_spec
 
 ADAPTERS_ONLY_KEY = "adapters_only"  # top-level checkpoint key: the state_dict holds the trainable tensors only
@@ -133,6 +133,8 @@ class PEFTAdapters(Callback):
         if self.base_dtype is not None:
             compute = self.base_compute if self.base_compute != "auto" else "fp32"  # auto: decided at fit start
             self.lowered = lower_frozen_base(model, BASE_DTYPES[self.base_dtype], compute)
+        if getattr(model, "loaded_low_precision", False):  # HFCausalLM(load_dtype=bf16): the rest back to float32
+            upcast_unlowered(model)
         if self.adapters_only_checkpoints and isinstance(model, pl.LightningModule):
             # the checkpoint lacks the frozen base by design; on_load_checkpoint checks what must be there
             model.strict_loading = False

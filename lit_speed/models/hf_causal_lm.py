@@ -33,6 +33,23 @@ def _needs_transformers(owner: str) -> Any:
     return transformers
 
 
+def _load_dtype(pretrained: str, load_dtype: str | None, owner: str) -> torch.dtype:
+    """float32, or bf16 when asked (``load_dtype=bf16``, set by ``peft.base_dtype=bf16``) and the folder's weights are
+    bf16: read as they are stored, nothing is rounded."""
+    if load_dtype in (None, "float32", "fp32"):
+        return torch.float32
+    if load_dtype not in ("bf16", "bfloat16"):
+        raise ValueError(f"{owner}: load_dtype={load_dtype!r} is not one of float32, bf16. Fix: model.load_dtype=null "
+                         "(float32), or peft.base_dtype=bf16 (which reads a bf16 folder in bf16)")
+    config = Path(pretrained).expanduser() / "config.json"
+    if not config.is_file():
+        return torch.float32
+    import json
+
+    stored = json.loads(config.read_text()).get("dtype") or json.loads(config.read_text()).get("torch_dtype")
+    return torch.bfloat16 if stored == "bfloat16" else torch.float32
+
+
 class HFCausalLM(NextTokenSteps, pl.LightningModule):
     """Next-token training of any ``AutoModelForCausalLM``.
 
@@ -60,7 +77,8 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
     def __init__(self, pretrained: str, from_config: bool = False,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None, weight_decay: float = 0.0,
-                 attn_implementation: str | None = "sdpa", loss_chunk_mib: float | None = None) -> None:
+                 attn_implementation: str | None = "sdpa", loss_chunk_mib: float | None = None,
+                 load_dtype: str | None = None) -> None:
         super().__init__()
         owner = f"HFCausalLM(pretrained={pretrained})"
         transformers = _needs_transformers(owner)
@@ -73,7 +91,11 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
                 # models), whose matmuls are 50-500x slower on CPUs without bf16 kernels
                 self.model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
             else:  # float32 weights: the precision plugin decides the compute dtype
-                self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32, **kwargs)
+                dtype = _load_dtype(pretrained, load_dtype, owner)
+                self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=dtype, **kwargs)
+                # read in bf16 for a bf16 frozen base (no float32 copy of the whole model while loading): PEFTAdapters
+                # lowers the frozen weights and casts the rest back to float32 (setup() does, without adapters)
+                self.loaded_low_precision = dtype != torch.float32
         except (OSError, ValueError) as error:
             where = "a folder without a model" if Path(pretrained).expanduser().is_dir() else \
                 "not a local folder, and not fetched from the hub (offline, or no such id)"
@@ -87,6 +109,12 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
         self._lm_head: Any = None  # lit_speed.hf_lm_head(self.model), found when the chunked loss is switched on
         if loss_chunk_mib is not None:
             self.use_chunked_loss(int(float(loss_chunk_mib) * 2**20))
+
+    def setup(self, stage: str) -> None:
+        # after the callbacks' setup (PEFTAdapters lowers the frozen base there): whatever is still bf16 from a
+        # bf16 read becomes float32, as from_pretrained(dtype=float32) would have made it
+        if getattr(self, "loaded_low_precision", False):
+            lit_speed.upcast_unlowered(self)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx, use_cache=False).logits

@@ -268,8 +268,9 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
         trainable_params=facts.trainable, trainable_bytes=4, state_bytes_per_param=_state_bytes(facts, levers,
                                                                                                 trainable_params),
         step_temp_per_param=step_temp, probe=probe, layers=facts.layers, vocab=facts.vocab,
-        tokens=int(facts.tokens * micro_scale), load_bytes=load_peak_bytes(facts.file_bytes, facts.frozen +
-                                                                           facts.trainable, 4, facts.file_dtype_bytes))
+        tokens=int(facts.tokens * micro_scale), load_bytes=load_peak_bytes(
+            facts.file_bytes, facts.frozen + facts.trainable, 2 if levers.base_bf16 and facts.file_dtype_bytes == 2
+            else 4, facts.file_dtype_bytes))
 
 
 def lever_sets(configured: Levers, full_fine_tuning: bool) -> list[Levers]:

@@ -281,3 +281,35 @@ def test_a_gpt_smaller_than_the_character_vocabulary_is_refused_naming_its_setti
     with pytest.raises(ConfigError, match=r"^data\.block_size=64: longer than the 32 positions of GPT \(model\."
                                           r"block_size=32\): .*learned table of 32 rows.*Fix: data\.block_size=32"):
         train(make_cfg(["experiment=charlm_cpu", "model.block_size=32", "data.max_bytes=100000"]))
+
+
+def test_a_bf16_folder_read_in_bf16_for_a_bf16_base_is_the_model_read_in_float32_then_lowered(tmp_path):
+    # peft.base_dtype=bf16 reads a bf16 folder in bf16 (model.load_dtype): no float32 copy of the whole base while
+    # loading; after PEFTAdapters every tensor must be what the float32 read then lowered gives, the fingerprint too
+    from transformers import AutoModelForCausalLM
+
+    from lit_speed.finetune.peft_adapters import PEFTAdapters
+
+    folder = save_tiny_causal_lm(tmp_path / "fp32", "qwen2", seed=3, tokenizer=False)
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    models, fingerprints = [], []
+    for load_dtype in (None, "bf16"):
+        torch.manual_seed(0)
+        model = HFCausalLM(str(tmp_path / "bf16"), load_dtype=load_dtype)
+        adapters = PEFTAdapters(r=4, base_dtype="bf16", export=False)
+        adapters.prepare_model(model)
+        model.setup("fit")
+        models.append(model)
+        fingerprints.append(adapters.base_fingerprint)
+    assert not getattr(models[0], "loaded_low_precision") and models[1].loaded_low_precision
+    a, b = (dict(m.state_dict()) for m in models)
+    assert list(a) == list(b) and all(a[k].dtype == b[k].dtype for k in a)
+    trainable = {n for n, p in models[1].named_parameters() if p.requires_grad}
+    assert [k for k in a if k not in trainable and not torch.equal(a[k], b[k])] == []  # the base: bitwise
+    # peft draws the adapters' initial values in float32 and casts them to the base layer's dtype: read in bf16,
+    # they start as the float32 read's values rounded to bf16 (then train in float32)
+    assert all(torch.equal(b[k], a[k].bfloat16().float()) for k in trainable)
+    assert {p.dtype for p in models[1].parameters() if p.requires_grad} == {torch.float32}
+    assert fingerprints[0] == fingerprints[1]
+    # a float32 folder is read in float32 whatever load_dtype says (nothing is rounded on the way in)
+    assert not HFCausalLM(str(folder), load_dtype="bf16").loaded_low_precision
