@@ -45,15 +45,25 @@ class ScaledProbe:
     const: tuple[float, float, float]
     per_token: tuple[float, float, float]
     forward_per_token: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    forward_const: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    backward_extra: tuple[float, float, float] = (0.0, 0.0, 0.0)  # step peak - forward peak, at the longest window
 
     @staticmethod
     def _at(fit: tuple[float, float, float], layers: int, vocab: int) -> float:
         return fit[0] + fit[1] * layers + fit[2] * vocab
 
     def step_bytes(self, layers: int, vocab: int, tokens: int) -> int:
-        """Peak bytes the step allocates (weights and optimizer state not included)."""
-        return int(max(self._at(self.const, layers, vocab), 0.0) + max(self._at(self.per_token, layers, vocab), 0.0)
-                   * tokens)
+        """Peak bytes the step allocates (weights and optimizer state not included).
+
+        A step's peak is a maximum over time: at short windows it is where the gradients of a large embedding add
+        up (flat in tokens), at long ones where the forward's saved tensors and the logits are (linear in tokens).
+        The larger of the two fits: the step's own line, and the forward's line plus what backward added on top of
+        the forward's peak at the longest probe window."""
+        flat = max(self._at(self.const, layers, vocab), 0.0) + max(self._at(self.per_token, layers, vocab), 0.0) \
+            * tokens
+        forward = max(self._at(self.forward_const, layers, vocab), 0.0) + \
+            max(self._at(self.forward_per_token, layers, vocab), 0.0) * tokens
+        return int(max(flat, forward + max(self._at(self.backward_extra, layers, vocab), 0.0)))
 
 
 def _plane(points: dict[tuple[int, int], float]) -> tuple[float, float, float]:
@@ -67,9 +77,15 @@ def _plane(points: dict[tuple[int, int], float]) -> tuple[float, float, float]:
 
 def probe_scaled(build: Callable[[int, int], nn.Module], step: Callable[[nn.Module, torch.Tensor], torch.Tensor],
                  autocast: contextlib.AbstractContextManager | Callable[[], contextlib.AbstractContextManager] =
-                 contextlib.nullcontext, tokens: tuple[int, int] = PROBE_TOKENS) -> ScaledProbe:
+                 contextlib.nullcontext, tokens: tuple[int, int] = PROBE_TOKENS,
+                 vocab: int | None = None) -> ScaledProbe:
     """Measure one training step of ``build(layers, vocab)`` on windows of ``tokens`` tokens (two lengths; a model
     with fewer positions than :data:`PROBE_TOKENS` gets shorter ones).
+
+    With ``vocab`` (the real vocabulary) the copies have it, and only the layer count varies: a step's peak is a
+    maximum over time, not a sum, and at a small vocabulary the logits are not where the peak is, so a slope measured
+    between two small vocabularies misses them (on a 52M Qwen2 with 32,000 tokens it predicted 326 MiB for a step
+    that took 874). The real vocabulary costs the copies its embedding (and the chunked loss its real chunking).
 
     Args:
         build: Returns the small model prepared as the run prepares it (adapters, base dtype, chunked loss,
@@ -80,8 +96,13 @@ def probe_scaled(build: Callable[[int, int], nn.Module], step: Callable[[nn.Modu
     const: dict[tuple[int, int], float] = {}
     slope: dict[tuple[int, int], float] = {}
     forward: dict[tuple[int, int], float] = {}
-    for layers, vocab in ((PROBE_LAYERS[0], PROBE_VOCABS[0]), (PROBE_LAYERS[1], PROBE_VOCABS[0]),
-                          (PROBE_LAYERS[0], PROBE_VOCABS[1])):
+    forward_const: dict[tuple[int, int], float] = {}
+    extra: dict[tuple[int, int], float] = {}
+    points = ((PROBE_LAYERS[0], PROBE_VOCABS[0]), (PROBE_LAYERS[1], PROBE_VOCABS[0]),
+              (PROBE_LAYERS[0], PROBE_VOCABS[1])) if vocab is None else \
+        ((PROBE_LAYERS[0], vocab), (PROBE_LAYERS[1], vocab))
+    for layers, vocab_size in points:
+        vocab = vocab_size
         model = build(layers, vocab)
         peaks, forward_peaks = [], []
         for length in tokens:
@@ -100,8 +121,19 @@ def probe_scaled(build: Callable[[int, int], nn.Module], step: Callable[[nn.Modu
         slope[(layers, vocab)] = (peaks[1] - peaks[0]) / span
         const[(layers, vocab)] = peaks[0] - slope[(layers, vocab)] * tokens[0]
         forward[(layers, vocab)] = (forward_peaks[1] - forward_peaks[0]) / span
+        forward_const[(layers, vocab)] = forward_peaks[0] - forward[(layers, vocab)] * tokens[0]
+        extra[(layers, vocab)] = peaks[1] - forward_peaks[1]
         del model
-    return ScaledProbe(_plane(const), _plane(slope), _plane(forward))
+    if len(points) == 2:  # the real vocabulary: linear in layers, the vocabulary's share inside the constant
+        return ScaledProbe(*(_line(fit, points) for fit in (const, slope, forward, forward_const, extra)))
+    return ScaledProbe(*(_plane(fit) for fit in (const, slope, forward, forward_const, extra)))
+
+
+def _line(values: dict[tuple[int, int], float], points: tuple[tuple[int, int], ...]) -> tuple[float, float, float]:
+    """``c0 + cl * layers`` through two points at one vocabulary (``cv = 0``: the vocabulary is the real one)."""
+    (l0, v), (l1, _) = points
+    cl = (values[(l1, v)] - values[(l0, v)]) / (l1 - l0)
+    return values[(l0, v)] - cl * l0, cl, 0.0
 
 
 @dataclass(frozen=True)

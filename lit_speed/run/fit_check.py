@@ -180,16 +180,19 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
                     sum(os.path.getsize(f) for f in files), 2 if "16" in dtype else 4, str(precision), optimizer)
 
 
-def probe_lengths(config: Any) -> tuple[int, int]:
-    """The probe's two window lengths: :data:`~lit_speed.memory.rss_estimate.PROBE_TOKENS`, shorter for a model
-    with fewer learned positions (an index past them is an IndexError, not a measurement)."""
-    from lit_speed.memory.rss_estimate import PROBE_TOKENS
+#: The probe's longest window: one sequence of the run's block, at most this long (its cost grows with it).
+PROBE_MAX_TOKENS = 512
 
+
+def probe_lengths(config: Any, block: int) -> tuple[int, int]:
+    """The probe's two window lengths: half the run's block and the block (at most :data:`PROBE_MAX_TOKENS`, and no
+    more than the model's learned positions: an index past them is an IndexError, not a measurement). A step's
+    peak is a maximum over time: at a few dozen tokens it sits where the gradients of a large embedding add up, at
+    the run's length where the logits are, so the probe measures at the run's length, not at a toy one."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    if not positions or positions >= PROBE_TOKENS[1]:
-        return PROBE_TOKENS
-    return max(positions // 2, 1), int(positions)
+    longest = min(block, PROBE_MAX_TOKENS, int(positions) if positions else block)
+    return max(longest // 2, 1), max(longest, 2)
 
 
 def generous_bound(facts: RunFacts, process: int) -> int:
@@ -246,15 +249,17 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
     def build(layers: int, vocab: int) -> nn.Module:
         torch.manual_seed(0)
         small = AutoModelForCausalLM.from_config(_small(facts.config, layers, vocab), dtype=torch.float32)
-        models[(layers, vocab)] = _prepare(small, adapters, levers)
-        return models[(layers, vocab)]
+        prepared = _prepare(small, adapters, levers)
+        if layers == 1:  # kept for the optimizer's measurement; the 2-layer copy is freed after its probe
+            models[(layers, vocab)] = prepared
+        return prepared
 
     autocast_dtype = spec(facts.precision).autocast_dtype
     autocast = functools.partial(torch.autocast, "cpu", dtype=autocast_dtype) if autocast_dtype else \
         contextlib.nullcontext
     probe = probe_scaled(build, lambda m, ids: m.model(input_ids=ids, labels=ids).loss, autocast,
-                         tokens=probe_lengths(facts.config))
-    small = models[(1, 512)]
+                         tokens=probe_lengths(facts.config, facts.block), vocab=facts.vocab)
+    small = models[(1, facts.vocab)]
     _frozen, small_trainable = count_parameters(small)
     trainable_params = [p for p in small.parameters() if p.requires_grad]
     step_temp = 0.0

@@ -144,4 +144,4 @@ def test_the_predicted_peak_rss_is_within_15_percent_of_the_measured_one_on_a_50
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
     ratio = result["predicted"] / result["measured"]
-    assert 0.85 <= ratio <= 1.15, result
+    assert 0.85 <= ratio <= 1.15, json.dumps(result)
