@@ -69,9 +69,10 @@ def peer_command(tool: str, model: str, mode: str, flags: str, steps: int, block
 #: lit_speed's levers per row, as Hydra overrides (what a user types). Filled from the components that exist.
 LIT_LORA: list[str] = ["callbacks=[default,chunked_loss]"]
 LIT_FULL: list[str] = ["peft=none", "optimizer=adamw_fused"]
-LIT_MEMORY_LORA: list[str] = ["peft.base_dtype=bf16", "callbacks=[default,chunked_loss,activation_checkpointing]"]
+LIT_MEMORY_LORA: list[str] = ["peft.base_dtype=bf16",
+                               "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
 LIT_MEMORY_FULL: list[str] = ["peft=none", "optimizer=adamw8bit",
-                              "callbacks=[default,chunked_loss,activation_checkpointing]"]
+                              "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
 
 #: name -> (group, model, mode, r, kind, spec): kind "lit" (spec: extra overrides) or a peer tool (spec: its flags)
 SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {

@@ -322,6 +322,9 @@ def test_fine_tuning_options_are_refused_before_training_naming_the_setting(make
 @pytest.mark.parametrize(("overrides", "message"), [
     (["callbacks=[chunked_loss]"], r"^callbacks\.chunked_loss: ChunkedLMLoss: MLPClassifier holds no Hugging Face causal "
                                    r"LM and has no use_chunked_loss\(chunk_bytes\) method .*Fix: drop chunked_loss"),
+    (["callbacks=[return_freed_memory]", "callbacks.return_freed_memory.threshold_kib=0"],
+     r"^callbacks\.return_freed_memory\.threshold_kib=0: ReturnFreedMemory\(threshold_kib=0\): an int in 1\.\.32768 "
+     r".*Fix: threshold_kib=256$"),
     (["experiment=charlm_cpu", "callbacks=[chunked_loss]", "callbacks.chunked_loss.chunk_mib=0"],
      r"^callbacks\.chunked_loss\.chunk_mib=0: ChunkedLMLoss\(chunk_mib=0\): .*Fix: chunk_mib=128"),
     # a bf16-held frozen base needs float32 module weights around it (the adapters) and no ZeRO
