@@ -166,6 +166,25 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
+class _RecordingFile:
+    """A binary file whose first failed ``write`` is kept: ``torch.save`` streaming into it reports a full disk as
+    ``RuntimeError: unexpected pos``, and the caller needs the ``OSError`` (its errno) to say what happened."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def write_atomically(data: bytes | memoryview | Callable[[BinaryIO], None], path: str | Path,
                      keep_previous: bool = True, verify: bool = True) -> None:
     """Write ``data`` to ``path`` so that a reader sees either the old complete file or the new one.
@@ -192,7 +211,13 @@ def write_atomically(data: bytes | memoryview | Callable[[BinaryIO], None], path
     try:
         with open(tmp, "wb") as f:
             if callable(data):
-                data(f)
+                recording = _RecordingFile(f)
+                try:
+                    data(recording)
+                except RuntimeError:  # torch's zip writer turns the file's OSError (no space...) into this
+                    if recording.error is not None:
+                        raise recording.error from None
+                    raise
             else:
                 f.write(data)
             f.flush()
