@@ -54,18 +54,28 @@ def plan_hf_run(cfg, budget: int | None) -> int:
     configured = configured_levers(cfg)
     table = Table(title=f"predicted peak RSS (budget {gib(budget)}: --budget-mib or this machine's free memory)",
                   title_justify="left")
-    for name in ("#", "levers added", "weights", "optimizer", "step", "load", "peak RSS", "fits"):
-        table.add_column(name, justify="left" if name == "levers added" else "right")
+    for name in ("#", "levers", "weights GiB", "optimizer GiB", "step GiB", "load GiB", "peak RSS GiB", "fits"):
+        table.add_column(name, justify="left" if name == "levers" else "right", no_wrap=name == "levers")
     first_fit = None
+    commands = []
     for i, levers in enumerate(lever_sets(configured, not configured.lora)):
         estimate = estimate_run(cfg, levers, process)
         fix = " ".join(levers.overrides(configured, list(_callback_nodes(cfg)))) or "(as configured)"
+        added = [short for name, short in (("chunked_loss", "chunk"), ("base_bf16", "bf16"), ("low_bit_states", "8bit"),
+                                           ("checkpointing", "ckpt"), ("lora", "lora"))
+                 if getattr(levers, name) and not getattr(configured, name)]
+        if levers.micro_batch != configured.micro_batch:
+            added.append(f"mb{levers.micro_batch}")
         fits = estimate.peak <= budget
         first_fit = first_fit if first_fit is not None or not fits else (i, fix)
-        table.add_row(f"{i}{'*' if i == 0 else ''}", fix, gib(estimate.weights), gib(estimate.optimizer),
-                      gib(max(estimate.step, estimate.optimizer_step)), gib(estimate.load), gib(estimate.peak),
-                      "yes" if fits else "no")
+        table.add_row(f"{i}{'*' if i == 0 else ''}", "+".join(added) or "-",
+                      *(f"{b / 2**30:.2f}" for b in (estimate.weights, estimate.optimizer,
+                                                     max(estimate.step, estimate.optimizer_step), estimate.load,
+                                                     estimate.peak)), "yes" if fits else "no")
+        commands.append(f"#{i}: {fix}")
     Console(soft_wrap=True).print(table)
+    for line in commands:  # plain print: brackets must not be read as rich markup
+        print(line)
     if first_fit is None:
         print("Nothing fits: a smaller model, data.block_size, or a machine with more memory")
         return 1

@@ -145,3 +145,14 @@ def test_the_predicted_peak_rss_is_within_15_percent_of_the_measured_one_on_a_50
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
     ratio = result["predicted"] / result["measured"]
     assert 0.85 <= ratio <= 1.15, json.dumps(result)
+
+
+@pytest.mark.slow
+def test_plan_script_prints_the_predicted_peak_rss_of_every_lever_set_for_a_hugging_face_folder(folder, texts):
+    args = [sys.executable, "scripts/plan.py", *_args(folder, texts, "peft=none")]
+    fits = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    assert "predicted peak RSS" in fits.stdout and "cheapest that fits: #0: (as configured)" in fits.stdout
+    assert "#4: " in fits.stdout and "peft=lora peft.base_dtype=bf16" in fits.stdout  # the LoRA row's overrides
+    nothing = subprocess.run([*args, "--budget-mib", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert nothing.returncode == 1 and "Nothing fits" in nothing.stdout, nothing.stdout[-2000:]
