@@ -122,7 +122,8 @@ PREFLIGHT_CASES = {
     "seed=abc": r"seed='abc': expected an integer or null\. Fix: seed=42",
     "init=weights": r"init\.path=\?\?\?: required, and not given\. Fix: init\.path=<a value>",
     "model=hf_causal_lm": r"does not fit model \(HFCausalLM\): it yields 'features->class' batches, HFCausalLM takes "
-                          r"'tokenizer-ids->next-token'\. Fix: model=mlp, or data=text_folder$",
+                          r"'tokenizer-ids->next-token'\. Fix: model=mlp, or data=text_folder, or experiment=finetune_1b_lora "
+                          r"\(data=text_folder model=hf_causal_lm\)$",
 }
 
 
