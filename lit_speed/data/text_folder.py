@@ -105,7 +105,7 @@ def build_token_corpus(cache_dir: str | os.PathLike, tokenizer: Any, root: str |
     if val_every < 2:
         raise ValueError(f"TextFolderDataModule(val_every={val_every}): must be >= 2 (every n-th file goes to "
                          "validation). Fix: data.val_every=10")
-    root = Path(root).expanduser()
+    root = source_root(root)  # a folder, or an installed package's name (lightning)
     digest = hashlib.sha256(f"v1|{max_bytes}|{val_every}|{tokenizer_fingerprint(tokenizer)}".encode())
     texts = [text for _, text in read_texts(list_text_files(root, patterns), root, max_bytes, digest)]
     if len(texts) < 2:
