@@ -101,12 +101,11 @@ def probe_scaled(build: Callable[[int, int], nn.Module], step: Callable[[nn.Modu
     points = ((PROBE_LAYERS[0], PROBE_VOCABS[0]), (PROBE_LAYERS[1], PROBE_VOCABS[0]),
               (PROBE_LAYERS[0], PROBE_VOCABS[1])) if vocab is None else \
         ((PROBE_LAYERS[0], vocab), (PROBE_LAYERS[1], vocab))
-    for layers, vocab_size in points:
-        vocab = vocab_size
-        model = build(layers, vocab)
+    for layers, size in points:
+        model = build(layers, size)
         peaks, forward_peaks = [], []
         for length in tokens:
-            ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
+            ids = torch.randint(0, size, (1, length), generator=torch.Generator().manual_seed(length))
             model.zero_grad(set_to_none=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -118,11 +117,11 @@ def probe_scaled(build: Callable[[int, int], nn.Module], step: Callable[[nn.Modu
             peaks.append(tracker.peak_bytes)
         model.zero_grad(set_to_none=True)
         span = tokens[1] - tokens[0]
-        slope[(layers, vocab)] = (peaks[1] - peaks[0]) / span
-        const[(layers, vocab)] = peaks[0] - slope[(layers, vocab)] * tokens[0]
-        forward[(layers, vocab)] = (forward_peaks[1] - forward_peaks[0]) / span
-        forward_const[(layers, vocab)] = forward_peaks[0] - forward[(layers, vocab)] * tokens[0]
-        extra[(layers, vocab)] = peaks[1] - forward_peaks[1]
+        slope[(layers, size)] = (peaks[1] - peaks[0]) / span
+        const[(layers, size)] = peaks[0] - slope[(layers, size)] * tokens[0]
+        forward[(layers, size)] = (forward_peaks[1] - forward_peaks[0]) / span
+        forward_const[(layers, size)] = forward_peaks[0] - forward[(layers, size)] * tokens[0]
+        extra[(layers, size)] = peaks[1] - forward_peaks[1]
         del model
     if len(points) == 2:  # the real vocabulary: linear in layers, the vocabulary's share inside the constant
         return ScaledProbe(*(_line(fit, points) for fit in (const, slope, forward, forward_const, extra)))

@@ -46,7 +46,8 @@ def _load_dtype(pretrained: str, load_dtype: str | None, owner: str) -> torch.dt
         return torch.float32
     import json
 
-    stored = json.loads(config.read_text()).get("dtype") or json.loads(config.read_text()).get("torch_dtype")
+    fields = json.loads(config.read_text())
+    stored = fields.get("dtype") or fields.get("torch_dtype")
     return torch.bfloat16 if stored == "bfloat16" else torch.float32
 
 

@@ -226,7 +226,8 @@ def _state_bytes(facts: RunFacts, levers: Levers, trainable: list[nn.Parameter])
     return 8.0 if declared is None else float(declared)
 
 
-def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: int | None = None) -> Any:
+def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: int | None = None,
+                 facts: RunFacts | None = None) -> Any:
     """The predicted peak RSS (:class:`~lit_speed.memory.rss_estimate.RSSEstimate`) of ``cfg`` with ``levers``
     (default: the configured ones), or None when the run is not a local Hugging Face model folder."""
     import psutil
@@ -241,7 +242,7 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
         return None
     configured = configured_levers(cfg)
     levers = levers or configured
-    facts = run_facts(cfg, folder, levers)
+    facts = facts if facts is not None else run_facts(cfg, folder, levers)  # given: read for these levers already
     process = process_bytes if process_bytes is not None else psutil.Process().memory_info().rss
     adapters = _adapter_args(cfg, levers.lora)
     models: dict[tuple[int, int], nn.Module] = {}
@@ -317,10 +318,11 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> No
     available = psutil.virtual_memory().available if available_bytes is None else available_bytes
     budget = process + available
     configured = configured_levers(cfg)
-    if generous_bound(run_facts(cfg, hf_folder(cfg), configured), process) <= budget:
+    facts = run_facts(cfg, hf_folder(cfg), configured)  # the meta-device model and the optimizer, built once
+    if generous_bound(facts, process) <= budget:
         return  # fits even counted generously: no probe
     try:
-        estimate = estimate_run(cfg, configured, process)
+        estimate = estimate_run(cfg, configured, process, facts)
     except Exception as error:  # noqa: BLE001 - a probe that cannot run must not stop a run it cannot judge
         warnings.warn(f"lit_speed.run.fit_check: the memory estimate could not run ({type(error).__name__}: "
                       f"{error}); the run goes on unchecked. scripts/plan.py shows the estimate's parts", stacklevel=2)

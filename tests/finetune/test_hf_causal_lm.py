@@ -12,7 +12,7 @@ from lit_speed.models.hf_causal_lm import HFCausalLM
 from lit_speed.run.runner import train
 from tests.helpers.fault_scripts.runs import explain
 from tests.helpers.fault_scripts.runs import train as run_script
-from tests.helpers.tiny_hf import STDLIB, save_tiny_causal_lm, tiny_tokenizer
+from tests.helpers.tiny_hf import save_tiny_causal_lm, tiny_tokenizer, write_texts
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +22,7 @@ def hf_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("texts")
-    for name in ["csv.py", "shlex.py", "token.py", "calendar.py", "bisect.py", "heapq.py"]:
-        (folder / f"{name}.txt").write_text((STDLIB / name).read_text())
-    return folder
+    return write_texts(tmp_path_factory.mktemp("texts"))
 
 
 def _run(hf_folder, texts, *extra):

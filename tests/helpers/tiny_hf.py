@@ -15,6 +15,16 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 TRAINING_FILES = ["textwrap.py", "string.py", "glob.py", "fnmatch.py"]
 
 
+TEXT_FILES = ["csv.py", "shlex.py", "token.py", "calendar.py", "bisect.py", "heapq.py"]
+
+
+def write_texts(folder: Path) -> Path:
+    """A folder of six stdlib modules as ``.txt`` files: a text_folder corpus for the tiny models."""
+    for name in TEXT_FILES:
+        (folder / f"{name}.txt").write_text((STDLIB / name).read_text())
+    return folder
+
+
 def tiny_tokenizer(vocab_size: int = 300):
     """A byte-level BPE tokenizer trained on a few stdlib files, as a ``PreTrainedTokenizerFast``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -18,7 +18,7 @@ from lit_speed.run import fit_check  # noqa: E402
 from lit_speed.run.config_error import ConfigError  # noqa: E402
 from lit_speed.run.runner import train  # noqa: E402
 from tests.helpers.repo import ROOT  # noqa: E402
-from tests.helpers.tiny_hf import STDLIB, save_tiny_causal_lm  # noqa: E402
+from tests.helpers.tiny_hf import save_tiny_causal_lm, write_texts  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
-    out = tmp_path_factory.mktemp("texts")
-    for name in ["csv.py", "shlex.py", "token.py", "calendar.py", "bisect.py", "heapq.py"]:
-        (out / f"{name}.txt").write_text((STDLIB / name).read_text())
-    return out
+    return write_texts(tmp_path_factory.mktemp("texts"))
 
 
 def _args(folder, texts, *extra):
@@ -62,7 +59,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_the_weights_load(ma
     gib = 2**30
     peaks = {False: 30 * gib, True: 6 * gib}  # full fine-tuning / LoRA
 
-    def estimate(cfg, levers=None, process_bytes=None):
+    def estimate(cfg, levers=None, process_bytes=None, facts=None):
         levers = levers or fit_check.configured_levers(cfg)
         return RSSEstimate(process=gib, weights=peaks[levers.lora] - gib, optimizer=0, step=0, optimizer_step=0,
                            load=0, slack=1.0)
@@ -87,7 +84,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_the_weights_load(ma
 
 def test_a_run_nothing_makes_fit_names_the_remaining_fixes(make_cfg, folder, texts, monkeypatch):
     gib = 2**30
-    monkeypatch.setattr(fit_check, "estimate_run", lambda cfg, levers=None, process_bytes=None: RSSEstimate(
+    monkeypatch.setattr(fit_check, "estimate_run", lambda cfg, levers=None, process_bytes=None, facts=None: RSSEstimate(
         process=gib, weights=40 * gib, optimizer=0, step=0, optimizer_step=0, load=0, slack=1.0))
     monkeypatch.setattr(fit_check, "generous_bound", lambda facts, process: 10**15)
     with pytest.raises(ConfigError, match=r"no lever set fits .* Fix: a smaller model, data.block_size"):
