@@ -115,3 +115,42 @@ def test_the_readme_levers_run_and_carry_the_presets_values() -> None:
     trainer = namespace["trainer"]
     assert trainer["plugins"][0].requested_mode == cfg.precision.mode
     assert trainer["callbacks"][0].effective_batch == {int(k): int(v) for k, v in cfg.accumulation.effective_batch}
+
+
+# -- lists of options that cannot go stale (issue 34) -----------------------------------------------------------------
+def _options(group: str) -> set[str]:
+    return {p.stem for p in (CONF / group).glob("*.yaml")}
+
+
+def test_the_options_listed_in_train_yaml_are_the_option_files() -> None:
+    """``conf/train.yaml``'s defaults comments that list a group's options (``a | b | c``) name exactly its files."""
+    checked = 0
+    for line in (CONF / "train.yaml").read_text().splitlines():
+        m = re.match(r"^\s+- (\w+): \S+\s+# (.*)$", line)
+        if not m or " | " not in m.group(2):
+            continue
+        group, listed = m.group(1), {re.match(r"[\w-]+", part.strip()).group(0) for part in m.group(2).split(" | ")}
+        assert listed == _options(group), (f"conf/train.yaml lists {sorted(listed)} for {group}; conf/{group}/ holds "
+                                           f"{sorted(_options(group))}")
+        checked += 1
+    assert checked >= 8, f"only {checked} groups list their options in conf/train.yaml"
+
+
+def test_the_readmes_group_table_names_every_option() -> None:
+    """Each row of the README's group table (``| `a`, `b` | options of a; options of b |``) names exactly the
+    options in ``conf/<group>/`` (backticked names; ``key=value`` examples are not options)."""
+    rows = [r for r in README.split("| group | options |", 1)[1].split("\n\n", 1)[0].splitlines() if r.startswith("| `")]
+    seen = set()
+    for row in rows:
+        _, groups_cell, options_cell, _ = row.split("|")
+        groups = re.findall(r"`([\w]+)`", groups_cell)
+        cells = options_cell.split(";") if len(groups) > 1 else [options_cell]
+        assert len(cells) == len(groups), f"README row {groups}: one ';'-separated list per group"
+        for group, cell in zip(groups, cells):
+            named = {t for t in re.findall(r"`([^`]+)`", cell) if "=" not in t}
+            assert named == _options(group), f"README's {group} row names {sorted(named)}; conf/{group}/ holds " \
+                                             f"{sorted(_options(group))}"
+            seen.add(group)
+    from tests.runner.test_config_groups import GROUPS
+
+    assert seen == set(GROUPS), f"groups missing from the README's table: {sorted(set(GROUPS) - seen)}"
