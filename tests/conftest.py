@@ -40,7 +40,7 @@ SLOW_TIER = (
     "tests/checkpointing/test_faults_signals.py::test_signal_saves_the_current_step_prints_how_to_resume_and_exits_"
     "nonzero[sigterm",
     "tests/runner/test_own_model.py::test_foreign_model_trains_through_config_dir_with_precision_and_accumulation",
-    "tests/finetune/test_hf_causal_lm.py::test_summary_splits_launch_to_end_into_phases_that_add_up",
+    "tests/models/test_hf_causal_lm.py::test_summary_splits_launch_to_end_into_phases_that_add_up",
     "tests/finetune/test_plan_adapters.py::test_plan_script_applies_the_peft_option",
     "tests/runner/test_memory_plan.py::test_plan_of_the_charlm_fast_preset_plans_its_own_run",
     "tests/runner/test_memory_plan.py::test_plan_of_optimizer_muon_asks_muon_for_its_state",

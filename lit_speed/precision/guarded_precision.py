@@ -34,8 +34,8 @@ class GuardedPrecision(Precision):
     """Mixed precision (CPU and CUDA) with a non-finite guard, fallback chain, telemetry and resumable state.
 
     Args:
-        mode: ``32-true`` | ``bf16-mixed`` | ``16-mixed`` | ``bf16-true`` | ``auto`` (the fastest safe mode
-            on the trainer's device, chosen at setup; the reason is shown by :meth:`describe`).
+        mode: ``32-true`` | ``bf16-mixed`` | ``16-mixed`` | ``bf16-true`` | ``bf16-master`` | ``auto`` (the
+            fastest safe mode on the trainer's device, chosen at setup; the reason is shown by :meth:`describe`).
         on_nonfinite: What a genuine inf/NaN step does (it never reaches the weights): ``skip`` it,
             ``fallback`` to the next mode after ``fallback_after`` consecutive ones, or ``raise``.
             ``None`` = ``fallback``, or ``skip`` for ``bf16-true`` (its weights are bf16: nothing to fall back to).

@@ -215,3 +215,16 @@ def test_scheduler_does_not_step_after_a_skipped_optimizer_step() -> None:
     sched.step()
     assert inner.last_epoch == 1 and sched.held_steps == 1 and sched.get_last_lr() == [0.5]
     assert sched.state_dict() == inner.state_dict() and sched.optimizer is opt and unwrap(sched) is inner
+
+
+def test_the_mode_list_in_the_docstring_and_the_option_files_are_the_mode_table() -> None:
+    """GuardedPrecision's ``mode:`` line and ``conf/precision/`` name exactly ``modes.MODES`` (issue 34)."""
+    import re
+
+    from lit_speed.precision import GuardedPrecision
+    from lit_speed.precision.modes import MODES
+    from tests.helpers.repo import CONF
+
+    doc = GuardedPrecision.__doc__.split("mode:", 1)[1].split("(", 1)[0]
+    assert set(re.findall(r"``([\w-]+)``", doc)) == set(MODES)
+    assert {p.stem for p in (CONF / "precision").glob("*.yaml")} == set(MODES)

@@ -152,3 +152,18 @@ def test_option_is_its_base_updated_with_its_own_keys(make_cfg, group: str, opti
         if isinstance(value, dict):  # a wrapped datamodule's node: its own defaults, updated with these keys
             value = {k: v for k, v in composed[key].items() if k not in value} | value
         assert composed[key] == value, f"{group}={option}: {key}={composed[key]!r}, expected {value!r}"
+
+
+def test_every_target_of_ours_is_spelt_with_its_module_path() -> None:
+    """``_target_: lit_speed.<package>.<module>.<Class>``, one spelling for all (issue 34), and each one imports."""
+    import importlib
+    import re
+
+    targets = {m.group(1) for p in CONF.rglob("*.yaml")
+               for m in re.finditer(r"_target_:\s*(lit_speed\.[\w.]+)", p.read_text())}
+    assert targets
+    short = sorted(t for t in targets if t.count(".") < 3)
+    assert not short, f"targets through the package face (spell the module: lit_speed.<package>.<module>.<name>): {short}"
+    for target in targets:
+        module, name = target.rsplit(".", 1)
+        assert hasattr(importlib.import_module(module), name), target
