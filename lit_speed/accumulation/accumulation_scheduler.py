@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit_speed import strategy_facts
 from lit_speed.accumulation import micro_batch as mb
 from lit_speed.accumulation.schedule import (LR_SCALINGS, RAMPS, UNITS, check_choice, check_divisible,
                                              checked_argument, factor_at, factor_for_effective_batch, lr_scale,
@@ -149,7 +150,7 @@ class AccumulationScheduler(Callback):
             raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and "
                              "AccumulationScheduler both set accumulation; remove accumulate_grad_batches from the "
                              "Trainer (or use AccumulationScheduler(factors={0: N}))")
-        self._deepspeed = _is_deepspeed(trainer)
+        self._deepspeed = strategy_facts(trainer.strategy).deepspeed
         self._follower = trainer.strategy if isinstance(trainer.strategy, AccumulationFollower) else None
         if self._deepspeed and self._follower is None:
             raise ValueError(f"AccumulationScheduler with {type(trainer.strategy).__name__}: use "
@@ -412,8 +413,3 @@ def restore_partial_gradients(saved: Any, optimizers: list[Any], module: torch.n
             for p, grad in zip(group["params"], grads):
                 p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
 
-
-def _is_deepspeed(trainer: "pl.Trainer") -> bool:
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    return isinstance(trainer.strategy, DeepSpeedStrategy)

@@ -22,16 +22,10 @@ from lit_speed.finetune.adapters import (ALL_LINEAR, METHODS, add_adapters, drop
 from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_merged
 from lit_speed.finetune.frozen_base import (BASE_DTYPES, COMPUTES, choose_base_compute, lower_frozen_base,
                                             set_base_compute, upcast_unlowered)
+from lit_speed import strategy_facts
 from lit_speed.precision.modes import spec as precision_spec
 
 ADAPTERS_ONLY_KEY = "adapters_only"  # top-level checkpoint key: the state_dict holds the trainable tensors only
-
-
-def _zero_stage(strategy: Any) -> int | None:
-    config = getattr(strategy, "config", None)
-    if not isinstance(config, dict) or "zero_optimization" not in config:
-        return None
-    return int(config["zero_optimization"].get("stage", 0))
 
 
 class PEFTAdapters(Callback):
@@ -145,7 +139,7 @@ class PEFTAdapters(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self.prepare_model(pl_module)
-        stage3 = _zero_stage(trainer.strategy) == 3
+        stage3 = strategy_facts(trainer.strategy).zero_stage == 3
         if self.export and stage3 and stage == "fit":
             raise ValueError("PEFTAdapters(export=True): cannot merge and export under ZeRO stage 3 (each process "
                              "holds a slice of every weight). Fix: peft.export=false, then scripts/consolidate.py "
@@ -170,7 +164,7 @@ class PEFTAdapters(Callback):
             raise ValueError(f"PEFTAdapters(base_dtype={self.base_dtype}): precision={mode} casts the whole module, "
                              "adapters included, to bf16 (the base is then bf16 already, and adapters not float32). "
                              "Fix: precision=32-true or bf16-mixed with base_dtype=bf16, or base_dtype=null")
-        if _zero_stage(trainer.strategy) is not None:
+        if strategy_facts(trainer.strategy).zero_stage is not None:
             raise ValueError(f"PEFTAdapters(base_dtype={self.base_dtype}): DeepSpeed ZeRO casts and partitions the "
                              "module's parameters itself, so a bf16 base under float32 adapters is not kept. Fix: "
                              "strategy=auto or ddp with base_dtype=bf16, or base_dtype=null under ZeRO")
@@ -195,7 +189,7 @@ class PEFTAdapters(Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.base_dtype is not None:  # after a resume restored the checkpoint's choice
             self._decide_base_compute(trainer, pl_module)
-        if _zero_stage(trainer.strategy) is not None:
+        if strategy_facts(trainer.strategy).zero_stage is not None:
             return  # DeepSpeed's ZeRO optimizer keeps only parameters that require gradients
         # before restore_training_state: a resumed optimizer loads into the same (pruned) groups
         fresh = [opt for opt in trainer.optimizers if not opt.state]

@@ -36,11 +36,10 @@ def configure_optimizers(module: "torch.nn.Module", optimizer: OptimizerFactory 
         raise ValueError(f"{type(module).__name__}(optimizer=None): optimizer is not set: pass a partial, e.g. "
                          "functools.partial(torch.optim.AdamW, lr=1e-3) (in Hydra: optimizer=adamw)")
     wants_names = bool(getattr(getattr(optimizer, "func", optimizer), "wants_param_names", False))
-    if wants_names and strategy is not None and "DeepSpeedStrategy" in {c.__name__ for c in type(strategy).__mro__}:
-        raise ValueError(f"{type(module).__name__}(optimizer=MuonAdamW): MuonAdamW cannot run under a DeepSpeed "
-                         "ZeRO strategy: ZeRO flattens parameters into 1-D partitions (and offload steps on the CPU "
-                         "with its own Adam), so Muon's 2-D matrices do not exist there. Fix: Trainer(strategy='auto' "
-                         "or 'ddp') with MuonAdamW, or keep ZeRO with AdamW (or DeepSpeedCPUAdam for offload).")
+    from lit_speed import check_zero_optimizer, strategy_facts
+
+    if strategy_facts(strategy).deepspeed:  # an optimizer that declares it cannot step ZeRO (Muon, low-bit AdamW)
+        check_zero_optimizer(optimizer, type(strategy).__name__)
     opt = optimizer(param_groups(module, weight_decay, names=wants_names))
     if scheduler is None:
         return opt

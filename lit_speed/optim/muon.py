@@ -59,6 +59,9 @@ class MuonAdamW(Optimizer):
     """
 
     wants_param_names = True
+    #: why ZeRO cannot step it (``lit_speed.check_zero_optimizer`` refuses it with this, under any DeepSpeed strategy)
+    zero_refusal = ("ZeRO flattens parameters into 1-D partitions (and offload steps on the CPU with its own Adam), "
+                    "so Muon's 2-D matrices do not exist there")
 
     def state_bytes_per_param(self, dtype: torch.dtype | None = None) -> float:
         """One momentum buffer per Muon matrix element, two AdamW moments per other element, each like its

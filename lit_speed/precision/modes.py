@@ -223,20 +223,22 @@ def check_strategy(mode: str, strategy: Any) -> None:
     (``lit_speed.ZeroStrategy`` builds DeepSpeed's bf16/fp16 sections from this plugin and replaces it), so
     reaching this plugin's setup under DeepSpeed means nobody did.
     """
-    names = {cls.__name__ for cls in type(strategy).__mro__}
-    if "DeepSpeedStrategy" in names:
+    from lit_speed import strategy_facts
+
+    facts = strategy_facts(strategy)
+    if facts.deepspeed:
         raise ValueError(
             f"GuardedPrecision(mode={mode!r}) is installed under {type(strategy).__name__}, which did not take "
             "precision over: DeepSpeed runs its own loss scaler, backward and step, so this plugin would "
             "double-scale or bypass it. Fix: lit_speed.ZeroStrategy(stage=1|2|3) (it configures "
             "DeepSpeed's bf16/fp16 from this plugin), or drop the plugin and pass Trainer(precision=...).")
-    if mode in TABLE and spec(mode).one_process and names & {"DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
+    if mode in TABLE and spec(mode).one_process and facts.is_a("DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"):
         raise ValueError(
             f"GuardedPrecision(mode='bf16-master'): mode='bf16-master' runs on one process for now: its gradient "
             f"hook moves each bf16 gradient into the float32 master before {type(strategy).__name__} could all-reduce "
             f"it. Fix: mode='bf16-mixed' (float32 weights, autocast) for multi-process runs, or a single-device "
             f"strategy.")
-    if mode in TABLE and spec(mode).loss_scaling and names & {"FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"}:
+    if mode in TABLE and spec(mode).loss_scaling and facts.is_a("FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"):
         raise ValueError(
             f"GuardedPrecision(mode='16-mixed'): mode='16-mixed' needs loss scaling, which GuardedPrecision cannot "
             f"do under "

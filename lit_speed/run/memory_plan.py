@@ -19,6 +19,7 @@ from lit_speed.memory.compile_model import repeated_block_types
 from lit_speed.memory.model_state import STRATEGIES, ZeroLayout
 from lit_speed.memory.planner import Plan, PlanRow, plan
 from lit_speed.precision.modes import AUTO, PLAN_CANDIDATES, TIMED_CANDIDATES
+from lit_speed.run.run_checks import configured_processes
 from lit_speed.run.config_error import ConfigError
 from lit_speed.run.config_targets import CONFIG_DIR
 
@@ -77,10 +78,8 @@ def configured_strategy(cfg: DictConfig) -> str:
 
 
 def configured_world_size(cfg: DictConfig) -> int:
-    trainer = cfg.get("trainer")
-    devices = trainer.get("devices", 1) if isinstance(trainer, DictConfig) else 1
-    nodes = trainer.get("num_nodes", 1) if isinstance(trainer, DictConfig) else 1
-    return devices * nodes if isinstance(devices, int) and isinstance(nodes, int) and devices > 0 else 1
+    """The configured processes; 1 where the config leaves them to the machine (``trainer.devices=auto``)."""
+    return configured_processes(cfg) or 1
 
 
 def configured_checkpointing(cfg: DictConfig) -> bool:

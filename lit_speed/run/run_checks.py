@@ -190,21 +190,28 @@ def check_interpolations(cfg: DictConfig) -> None:
     walk(cfg, "")
 
 
+def configured_processes(cfg: DictConfig) -> int | None:
+    """``trainer.devices x trainer.num_nodes`` as configured, or ``None`` where either is not a number (``auto``)."""
+    trainer = cfg.get("trainer")
+    devices = trainer.get("devices", 1) if isinstance(trainer, DictConfig) else 1
+    nodes = trainer.get("num_nodes", 1) if isinstance(trainer, DictConfig) else 1
+    ok = isinstance(devices, int) and isinstance(nodes, int) and devices > 0 and nodes > 0
+    return devices * nodes if ok else None
+
+
 def check_precision_strategy(cfg: DictConfig) -> None:
     """Refuse, before any process starts, a precision mode the configured strategy cannot run (bf16-master on
     several processes); ``GuardedPrecision`` would refuse it too, but only in every started process."""
     from lit_speed.precision.modes import TABLE
 
-    precision, strategy, trainer = cfg.get("precision"), cfg.get("strategy"), cfg.get("trainer")
+    precision, strategy = cfg.get("precision"), cfg.get("strategy")
     mode = precision.get("mode") if isinstance(precision, DictConfig) else None
     if mode not in TABLE or not TABLE[mode].one_process:
         return
     target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else ""
     if target.endswith("ZeroStrategy"):
         return  # DeepSpeed's bf16 keeps the float32 masters itself
-    devices = trainer.get("devices") if isinstance(trainer, DictConfig) else 1
-    nodes = trainer.get("num_nodes", 1) if isinstance(trainer, DictConfig) else 1
-    world = devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None
+    world = configured_processes(cfg)
     multi = any(name in target for name in ("DDP", "FSDP", "ModelParallel")) or (world is not None and world > 1)
     if multi:
         name = target.rsplit(".", 1)[-1] or "the default strategy"

@@ -119,17 +119,20 @@ def _cpu_offload_optimizer_types() -> tuple[type, ...]:
     return DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion
 
 
-def check_zero_optimizer(optimizer: Any) -> None:
-    """Refuse an optimizer that declares it cannot step ZeRO's flat partitions (its ``zero_refusal`` says why, e.g.
-    the low-bit AdamWs of :mod:`lit_speed.optim.low_bit`), before DeepSpeed builds its engine around it.
+def check_zero_optimizer(optimizer: Any, strategy_name: str = "ZeroStrategy") -> None:
+    """Refuse an optimizer that declares it cannot step ZeRO's flat partitions (its ``zero_refusal`` says why:
+    the low-bit AdamWs of :mod:`lit_speed.optim.low_bit`, ``MuonAdamW``), before DeepSpeed builds its engine around
+    it. ``optimizer``: an instance, its class, or a ``functools.partial`` of the class (checked before it is built).
 
     Raises:
-        ValueError: Naming the optimizer, its reason and the fix.
+        ValueError: Naming the strategy, the optimizer, its reason and the fix.
     """
-    reason = getattr(optimizer, "zero_refusal", None)
+    cls = getattr(optimizer, "func", optimizer)
+    cls = cls if isinstance(cls, type) else type(cls)
+    reason = getattr(cls, "zero_refusal", None)
     if reason:
-        name = type(optimizer).__name__
-        raise ValueError(f"ZeroStrategy: {name} cannot train under DeepSpeed ZeRO: {reason}. Fix: strategy=auto or "
+        name = cls.__name__
+        raise ValueError(f"{strategy_name}: {name} cannot train under DeepSpeed ZeRO: {reason}. Fix: strategy=auto or "
                          f"strategy=ddp to keep {name}, or a ZeRO strategy with optimizer=adamw (offload: "
                          "optimizer=cpu_adam)")
 

@@ -145,6 +145,10 @@ CASES = {
     "low_bit_under_zero": (["strategy=zero2", "optimizer=adamw8bit"],
                            r"strategy: ZeroStrategy: AdamW8bit cannot train under DeepSpeed ZeRO: .*Fix: strategy=auto "
                            r"or strategy=ddp to keep AdamW8bit", True),
+    # issue 34: Muon's refusal under ZeRO lives with Muon (zero_refusal), asked through check_zero_optimizer
+    "muon_under_zero": (["model=gpt", "data=charlm", "optimizer=muon", "strategy=zero2", "data.max_bytes=200000"],
+                        r"ZeroStrategy: MuonAdamW cannot train under DeepSpeed ZeRO: ZeRO flattens parameters into 1-D "
+                        r"partitions.*Fix: strategy=auto or strategy=ddp to keep MuonAdamW", True),
     "low_bit_odd_block": (["optimizer=adamw4bit", "optimizer.block_size=3"],
                           r"optimizer\.block_size=3: AdamW4bit\(block_size=3\): block_size must be an even int", True),
     "preset_optimizer_switched_to_low_bit": (["experiment=charlm_fast", "optimizer=adamw8bit"],

@@ -74,7 +74,7 @@ def test_muon_needs_names_and_a_matrix_and_is_refused_under_zero() -> None:
 
     strategy = ZeroStrategy.__new__(ZeroStrategy)  # only its type is inspected
     factory = __import__("functools").partial(MuonAdamW, lr=0.02)
-    with pytest.raises(ValueError, match="MuonAdamW cannot run under a DeepSpeed ZeRO strategy"):
+    with pytest.raises(ValueError, match="ZeroStrategy: MuonAdamW cannot train under DeepSpeed ZeRO: ZeRO flattens parameters"):
         configure_optimizers(model, factory, None, 0.1, 10, strategy)
 
 
