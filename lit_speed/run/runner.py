@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_speed.run.config_error import ConfigError
 
-from lit_speed.checkpointing import FaultTolerance, is_write_failure, write_failure_message
+from lit_speed.checkpointing import FaultTolerance, is_write_failure, stop_signal_received, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.run.config_error import RunStopped
 from lit_speed.run_contract import (AccumulationReport, EndOfRunReport, ModelPreparer, MonitoredModel,
@@ -280,9 +280,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 raise RunStopped(write_failure_message(error, trainer), exit_code=74) from error  # EX_IOERR
             raise
     summary = parts["run_summary"].summary(trainer)
-    if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run:
+    if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run and not stop_signal_received(trainer):
         val = trainer.validate(model, datamodule=dm, verbose=False)
         summary["final_val"] = {k: float(v) for k, v in (val[0] if val else {}).items()}
+    if (late := stop_signal_received(trainer)) is not None:  # SIGTERM/SIGUSR1 after the last training batch
+        raise RunStopped(*late)
     extras = workload_extras(parts)
     summary.update({extra.key: extra.value for extra in extras})
     components = component_summaries(parts)  # loss scale, verdicts, stop reason, ...
