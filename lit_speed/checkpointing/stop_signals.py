@@ -103,14 +103,21 @@ def storage_ids(tensors: Iterable[torch.Tensor]) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
 
 
+_ATOMS = (int, float, str, bytes, bool, type(None))
+
+
 def keep_live_copy_rest(obj: Any, live: set[int]) -> Any:
     """A copy of ``obj`` (nested dicts, lists, tuples) in which every tensor stored in ``live`` storage (weights,
     optimizer state: they change only in an optimizer update) is the same tensor, and every other tensor (buffers
     such as BatchNorm statistics, metric states, RNG states: they change during forward) is cloned."""
+    if isinstance(obj, _ATOMS):
+        return obj
     if isinstance(obj, torch.Tensor):
         if obj.numel() and obj.untyped_storage().data_ptr() in live:
             return obj
         return obj.detach().clone()
+    if isinstance(obj, (list, tuple)) and all(isinstance(v, _ATOMS) for v in obj):  # e.g. Python's RNG state
+        return list(obj) if isinstance(obj, list) else obj
     if isinstance(obj, dict):
         out = copy.copy(obj)
         for key, value in obj.items():
