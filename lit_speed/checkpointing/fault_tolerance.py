@@ -241,6 +241,11 @@ class FaultTolerance(Callback):
             self._signals.before_update()
 
     @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._signals is not None and trainer.state.fn == "fit":
+            self._signals.before_validation()
+
+    @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if self._signals is not None:
             self._signals.end()

@@ -134,6 +134,7 @@ class SignalStop:
         self.save_seconds: list[float] = []
         self.capturing = False  # FaultTolerance.state_dict is being read for a snapshot (no collective, no I/O)
         self.signum: int | None = None
+        self._snapshot_before_validation = False  # the last snapshot predates this batch's validation
         loops.replace_sigterm_notifier(trainer, INBOX.handler)  # record only: no collective inside the handler
         loops.replace_stop_broadcast(trainer, lambda: None)  # the decision after each batch replaces it
         loops.call_after_each_batch(trainer, self.after_batch)
@@ -173,14 +174,23 @@ class SignalStop:
         if self.gate is not None and not pl_compat.should_accumulate(self.trainer):
             self.gate.before_update()
 
+    def before_validation(self) -> None:
+        """Validation inside fit, after the batch's update: snapshot now, so that a deadline that comes during a long
+        validation saves that step (a resume then skips this validation, as after Lightning's own checkpoint there)."""
+        gate, trainer = self.gate, self.trainer
+        if gate is not None and gate.updating and trainer.training is False and not trainer.sanity_checking:
+            gate.consistent(self.snapshot())
+            self._snapshot_before_validation = True
+
     def after_batch(self) -> None:
         """End of each training batch (after its validation and checkpoints), in every process in the same order."""
         trainer, gate = self.trainer, self.gate
         if gate is not None:
             gate.hold()
         signum = self.agree()
-        if gate is not None and gate.updating:
-            gate.consistent(self.snapshot())
+        if gate is not None and (gate.updating or self._snapshot_before_validation):
+            self._snapshot_before_validation = False
+            gate.consistent(self.snapshot())  # (after validation: the snapshot a resume needs not skip it)
         if signum:
             self.signum = signum
             loops.set_received_sigterm(trainer)
