@@ -12,9 +12,14 @@ methods qualifies, so each side also works with a third-party counterpart, or al
 * :class:`PartwiseCheckpointWriter` - a strategy whose checkpoint every process writes a part of (DeepSpeed ZeRO
   folders) and that can write those parts without a collective (``lit_speed.ZeroStrategy``). Used by
   ``lit_speed.FaultTolerance``'s signal deadline, which saves from a watchdog thread while a step is running.
-* :class:`OptimizerStateCost` - an optimizer that declares the state it keeps per parameter (``lit_speed.Lion``,
-  ``lit_speed.MuonAdamW``, ...). Asked by the memory planner and ``ZeroStrategy`` through
-  ``lit_speed.state_tensors_per_param``, which also knows torch's and DeepSpeed's own optimizers.
+* :class:`OptimizerStateCost` - an optimizer that declares the bytes of state it keeps per parameter
+  (``lit_speed.Lion``, ``lit_speed.MuonAdamW``, the low-bit AdamWs, ...). Asked by the memory planner and
+  ``ZeroStrategy`` through ``lit_speed.state_bytes_per_param``, which also knows torch's and DeepSpeed's own optimizers.
+* ``zero_refusal`` - an optimizer attribute, not a protocol: a class that cannot step DeepSpeed ZeRO's flat
+  partitions sets it to the reason (``lit_speed.optim.low_bit``); ``ZeroStrategy`` refuses it at set-up with it.
+* :class:`ChunkedLossModel` - a LightningModule that can compute its language-model loss in chunks of tokens
+  (``lit_speed.GPTModule``, ``lit_speed.HFCausalLM``). Switched on by ``lit_speed.ChunkedLMLoss``, which wraps the
+  Hugging Face causal LMs inside any other module instead.
 
 Shared modules: a component package (``lit_speed/<component>/``) imports from another component package only
 through the public names of ``lit_speed/__init__.py`` or one of these shared modules
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Protocol, runtime_checkabl
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    import torch
 
 
 @runtime_checkable
@@ -97,7 +103,18 @@ class PartwiseCheckpointWriter(Protocol):
 class OptimizerStateCost(Protocol):
     """An optimizer that declares how much state it keeps, where it is defined."""
 
-    def state_tensors_per_param(self) -> float:
-        """State tensors per trainable parameter, averaged over the optimizer's groups (Adam 2, Lion 1; a mix of
-        groups gives a fraction); ``step`` counters and other scalars are not counted."""
+    def state_bytes_per_param(self, dtype: "torch.dtype | None" = None) -> float:
+        """Bytes of state per trainable parameter, averaged over the optimizer's groups by element count, when the
+        parameters are held in ``dtype`` (``None``: the dtypes they have now). A whole-tensor state costs
+        ``dtype.itemsize`` per element (AdamW in float32: 8.0, Lion 4.0); a quantised one its codes, block scales and
+        lookup tables (an 8-bit AdamW: ~2.03). ``step`` counters and other scalars are not counted."""
+        ...
+
+
+@runtime_checkable
+class ChunkedLossModel(Protocol):
+    """A module whose language-model loss can run the LM head and cross-entropy in chunks of tokens."""
+
+    def use_chunked_loss(self, chunk_bytes: int | None) -> None:
+        """Compute the loss in chunks whose logits take at most ``chunk_bytes`` (``None``: the plain loss again)."""
         ...

@@ -12,6 +12,8 @@ Who reports what (checked by ``tests/runner/test_run_contract.py``):
   callbacks; stored under ``summary.json["components"][<class name>]``.
 - :class:`AccumulationReport` (``current_factor``, ``factors``): AccumulationScheduler; the runner shows the
   factor in the effective-batch row and :class:`~lit_speed.run.run_plan_check.RunPlanCheck` checks the largest one.
+- :class:`AccumulationPlan` (``accumulation_plan(micro_batch, world_size)``): AccumulationScheduler; the factor at the
+  start and where the schedule goes, for the effective-batch row (a schedule the micro-batch cannot hold is refused).
 - :class:`WorkloadReport` (``summary_extras()``): a workload's own reference numbers (CharLMDataModule's unigram
   baseline), stored at the top level of ``summary.json`` and shown in the end-of-run table.
 - :class:`MonitoredModel` (``monitor``, ``monitor_mode``): the metric a model logs, the default of the
@@ -23,6 +25,10 @@ Who reports what (checked by ``tests/runner/test_run_contract.py``):
   yields and what a model's ``training_step`` takes, class attributes read before anything is built
   (``lit_speed.run.run_checks.check_data_model`` refuses a pair that does not fit; a class that declares nothing is
   not checked).
+- :class:`TokenSource` (``token_limits()``) and :class:`TokenModel` (classmethod ``input_limits(config)``): the ids and
+  window a token DataModule yields (TextFolderDataModule: its tokenizer; CharLMDataModule) and the embedding rows and
+  positions a model has (HFCausalLM from ``config.json``, GPTModule), compared before the model's weights load
+  (``lit_speed.run.run_checks.check_tokens_fit_model``).
 - :class:`ModelPreparer` (``prepare_model(model)``): a callback that changes the model before training (InitWeights
   loads weights, PEFTAdapters adds adapters and freezes the base); the runner calls it, in callback order, right
   after building the model, so the start-up table shows the model that trains and a refusal is a ``Config error``.
@@ -84,6 +90,20 @@ class AccumulationReport(Protocol):
         """The scheduled factors by position, or ``None`` when the schedule is not in micro-batches."""
 
 
+@runtime_checkable
+class AccumulationPlan(Protocol):
+    """An accumulation callback that can say, before training, what its schedule does for a micro-batch and a world
+    size: ``accumulation_plan(micro_batch, world_size)`` returns the micro-batches per optimizer step at the start,
+    the largest it reaches, and where the schedule goes from there (``""``: nowhere, one factor for the whole run),
+    and raises ``ValueError``
+    for a schedule that cannot hold at that micro-batch (an effective batch it does not divide). ``micro_batch`` is
+    ``None`` when not known before setup. The runner prints it in the effective-batch row.
+    """
+
+    def accumulation_plan(self, micro_batch: int | None, world_size: int) -> tuple[int, int, str]:
+        """``(factor at the start, largest factor, what follows)``."""
+
+
 class SummaryExtra(NamedTuple):
     """One reference number a workload reports: its ``summary.json`` key, its end-of-run table label, its value."""
 
@@ -134,6 +154,16 @@ class EndOfRunReport(Protocol):
 
 
 @runtime_checkable
+class PhaseTimer(Protocol):
+    """A component that spends wall time outside the training steps and says how much (``{phase: seconds}``),
+    e.g. ``{"export": 41.2}`` or ``{"checkpoints": 3.1}``: ``summary.json``'s time split takes it out of the
+    training time. Asked of the callbacks, the strategy and its checkpoint IO after fit."""
+
+    def phase_seconds(self) -> Mapping[str, float]:
+        """Seconds spent so far in each phase this component owns."""
+
+
+@runtime_checkable
 class BatchSource(Protocol):
     """A DataModule that names the kind of batch it yields, as ``"<inputs>-><targets>"``.
 
@@ -161,6 +191,50 @@ class ModelPreparer(Protocol):
 
     def prepare_model(self, model: Any) -> None:
         """Transform ``model`` in place (once)."""
+
+
+class TokenLimits(NamedTuple):
+    """The token ids and the window of a DataModule, or the ids and positions a model can take.
+
+    ``vocab_size``: ids are ``0 .. vocab_size - 1`` (data), or the model's embedding rows. ``positions``: the window
+    (``block_size``) of the data, or the positions the model has (``None``: no limit). ``source``: the argument that
+    sets the vocabulary, as ``name=value`` (the runner puts the config path in front; ``""``: a fixed vocabulary).
+    ``kind``: for a model, how it encodes positions: ``"learned"`` (a table: no position past it exists),
+    ``"rotary"`` (computed: runs past it, at positions it never trained on) or ``""``. ``name``: what to call it in a
+    message (a model's architecture, a fixed vocabulary). ``positions_source``: the argument that sets ``positions``
+    (``""``: ``source``).
+    """
+
+    vocab_size: int
+    positions: int | None
+    source: str
+    kind: str = ""
+    name: str = ""
+    positions_source: str = ""
+
+
+@runtime_checkable
+class TokenSource(Protocol):
+    """A DataModule of token ids that can say, before ``setup``, how many ids its tokenizer has and its window.
+
+    ``token_limits()`` may load the tokenizer (cheap next to the model's weights) and raises ``ValueError`` naming its
+    argument when it cannot (a folder without a usable tokenizer). The runner asks it right after building the
+    DataModule, before the model is built (:func:`lit_speed.run.run_checks.check_tokens_fit_model`).
+    """
+
+    def token_limits(self) -> TokenLimits:
+        """The vocabulary and window of the ids this DataModule will yield."""
+
+
+@runtime_checkable
+class TokenModel(Protocol):
+    """A LightningModule class that can say, from its constructor arguments alone (before its weights load), how many
+    token ids its embedding has and how many positions it takes: ``input_limits(config)`` is a classmethod given the
+    model's config node as a dict; ``None`` when it cannot tell (a hub id offline)."""
+
+    @classmethod
+    def input_limits(cls, config: Mapping[str, Any]) -> TokenLimits | None:
+        """The embedding rows and positions of the model ``config`` would build."""
 
 
 def startup_rows_of(part: object, *args: Any) -> dict[str, str]:

@@ -4,14 +4,15 @@ from __future__ import annotations
 from lightning.pytorch.utilities import rank_zero_only
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def format_table(title: str, rows: dict[str, str]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
     table.add_column(style="bold cyan", no_wrap=True)
     table.add_column()
-    for key, value in rows.items():
-        table.add_row(key, value)
+    for key, value in rows.items():  # plain text: a value like 'callbacks=[default,x]' is not rich markup
+        table.add_row(Text(str(key)), Text(str(value)))
     return table
 
 

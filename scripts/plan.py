@@ -40,6 +40,49 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
+def plan_hf_run(cfg, budget: int | None) -> int:
+    """Every lever set of :func:`lit_speed.run.fit_check.lever_sets` with its predicted peak RSS (no weights read)."""
+    import psutil
+    from rich.console import Console
+    from rich.table import Table
+
+    from lit_speed.memory.rss_estimate import gib
+    from lit_speed.run.fit_check import _callback_nodes, configured_levers, estimate_run, lever_sets
+
+    process = psutil.Process().memory_info().rss
+    budget = budget if budget is not None else process + psutil.virtual_memory().available
+    configured = configured_levers(cfg)
+    table = Table(title=f"predicted peak RSS (budget {gib(budget)}: --budget-mib or this machine's free memory)",
+                  title_justify="left")
+    for name in ("#", "levers", "weights GiB", "optimizer GiB", "step GiB", "load GiB", "peak RSS GiB", "fits"):
+        table.add_column(name, justify="left" if name == "levers" else "right", no_wrap=name == "levers")
+    first_fit = None
+    commands = []
+    for i, levers in enumerate(lever_sets(configured, not configured.lora)):
+        estimate = estimate_run(cfg, levers, process)
+        fix = " ".join(levers.overrides(configured, list(_callback_nodes(cfg)))) or "(as configured)"
+        added = [short for name, short in (("chunked_loss", "chunk"), ("base_bf16", "bf16"), ("low_bit_states", "8bit"),
+                                           ("checkpointing", "ckpt"), ("lora", "lora"))
+                 if getattr(levers, name) and not getattr(configured, name)]
+        if levers.micro_batch != configured.micro_batch:
+            added.append(f"mb{levers.micro_batch}")
+        fits = estimate.peak <= budget
+        first_fit = first_fit if first_fit is not None or not fits else (i, fix)
+        table.add_row(f"{i}{'*' if i == 0 else ''}", "+".join(added) or "-",
+                      *(f"{b / 2**30:.2f}" for b in (estimate.weights, estimate.optimizer,
+                                                     max(estimate.step, estimate.optimizer_step), estimate.load,
+                                                     estimate.peak)), "yes" if fits else "no")
+        commands.append(f"#{i}: {fix}")
+    Console(soft_wrap=True).print(table)
+    for line in commands:  # plain print: brackets must not be read as rich markup
+        print(line)
+    if first_fit is None:
+        print("Nothing fits: a smaller model, data.block_size, or a machine with more memory")
+        return 1
+    print(f"cheapest that fits: #{first_fit[0]}: {first_fit[1]}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
     bad = [o for o in overrides if "=" not in o]
@@ -61,6 +104,10 @@ def main(argv: list[str]) -> int:
     budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
     try:
         cfg = preflight(overrides)
+        from lit_speed.run.fit_check import hf_folder
+
+        if hf_folder(cfg) is not None:  # a Hugging Face model folder: the process's peak RSS, from the config
+            return plan_hf_run(cfg, budget)
         result, configured = plan_run(cfg, overrides, budget, [int(b) for b in args.micro_batches or []] or None,
                                       args.precisions, args.checkpoint, args.strategies, args.world_size)
     except ConfigError as error:

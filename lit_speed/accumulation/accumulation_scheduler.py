@@ -12,7 +12,7 @@ from typing_extensions import override
 from lit_speed.accumulation import micro_batch as mb
 from lit_speed.accumulation.schedule import (LR_SCALINGS, RAMPS, UNITS, check_choice, check_divisible,
                                              checked_argument, factor_at, factor_for_effective_batch, lr_scale,
-                                             validate_schedule, value_at)
+                                             schedule_plan, validate_schedule, value_at)
 from lit_speed.accumulation.window import (NORMALIZE, batch_samples, count_items, count_tokens, scale_gradients,
                                            split_batch, window_scale)
 from lit_speed.compat import lightning as pl_compat
@@ -118,6 +118,12 @@ class AccumulationScheduler(Callback):
         """
         return self.step_now
 
+    def accumulation_plan(self, micro_batch: int | None, world_size: int) -> tuple[int, int, str]:
+        """:func:`~lit_speed.accumulation.schedule.schedule_plan` of this schedule (``run_contract.AccumulationPlan``)."""
+        arg, schedule = ("factors", self.factors) if self.factors is not None else ("effective_batch", self.effective_batch)
+        micro = self.micro_batch if isinstance(self.micro_batch, int) else micro_batch
+        return checked_argument(arg, schedule, schedule_plan, arg == "factors", self.unit, self.ramp, micro, world_size)
+
     def describe(self) -> dict[str, str]:
         """Rows for the start-up table."""
         what = (f"factors {self.factors}" if self.factors is not None
@@ -203,9 +209,9 @@ class AccumulationScheduler(Callback):
                 raise ValueError(f"AccumulationScheduler(micro_batch={self.micro_batch!r}): micro_batch="
                                  f"{self.micro_batch} but the train DataLoader yields "
                                  f"batches of {self._loader_batch}; use micro_batch=null")
-            if self.effective_batch is not None and self.ramp == "step":
+            if self.effective_batch is not None:  # the keys of a linear ramp too: they are what it promises
                 checked_argument("effective_batch", self.effective_batch, check_divisible, self._loader_batch,
-                         trainer.world_size)
+                                 trainer.world_size)
         position = self._position(trainer)
         if self.factors is not None:
             self._factor = factor_at(self.factors, position, self.ramp)

@@ -115,6 +115,42 @@ def check_divisible(effective_batch: Mapping[int, int], micro_batch: int, world_
                 f"({world_size}) = {unit}; use {lower} or {upper}, or change the micro-batch")
 
 
+def schedule_plan(schedule: Mapping[int, int], in_factors: bool, unit: str, ramp: str, micro_batch: int | None,
+                  world_size: int, name: str = "effective_batch") -> tuple[int, int, str]:
+    """Micro-batches per optimizer step at the start of a schedule, and where it goes from there, in words.
+
+    Args:
+        schedule: ``{position: factor}`` (``in_factors``) or ``{position: effective batch over all processes}``.
+        in_factors: Whether the values are factors (else effective batches).
+        unit: What the positions count (``step``, ``epoch``, ``samples``, ``tokens``).
+        ramp: ``step`` or ``linear``.
+        micro_batch: Samples per micro-batch; ``None`` when chosen later (``micro_batch="auto"``).
+        world_size: Processes.
+        name: The argument's name, for the error.
+
+    Returns:
+        ``(factor at the start, largest factor, "then ..." or "")``, e.g. ``(1, 4, "rising linearly (whole
+        micro-batches) to 256 (x4) at step 50")``.
+
+    Raises:
+        ValueError: An effective batch ``micro_batch x world_size`` does not divide, at any key of either ramp (the
+            keys are what the schedule promises; a linear ramp rounds only between them).
+    """
+    at = (lambda key: f"at {unit} {key:,}") if unit in ("step", "epoch") else (lambda key: f"after {key:,} {unit}")
+    how = "rising linearly (whole micro-batches) to" if ramp == "linear" else "then"
+    keys = list(schedule)
+    if in_factors:
+        later = [f"x{schedule[k]}" + (f" = {micro_batch * schedule[k] * world_size:,}" if micro_batch else "")
+                 + f" {at(k)}" for k in keys[1:]]
+        return schedule[keys[0]], max(schedule.values()), (f"{how} {', '.join(later)}" if later else "")
+    if micro_batch is None:
+        return 1, 1, f"effective batch {dict(schedule)} ({ramp} ramp): the micro-batch is chosen at setup"
+    check_divisible(schedule, micro_batch, world_size, name)
+    factor = {k: factor_for_effective_batch(v, micro_batch, world_size) for k, v in schedule.items()}
+    later = [f"{schedule[k]:,} (x{factor[k]}) {at(k)}" for k in keys[1:]]
+    return factor[keys[0]], max(factor.values()), (f"{how} {', '.join(later)}" if later else "")
+
+
 def lr_scale(effective_batch: float, base_effective_batch: float, rule: str) -> float:
     """LR multiplier for an effective batch relative to the base one: 1, the ratio, or its square root.
 

@@ -91,6 +91,21 @@ def step_metrics_written_now(trainer: "pl.Trainer") -> bool:
     return bool(trainer.fast_dev_run) or trainer._logger_connector.should_update_logs
 
 
+def validate_after_this_batch(trainer: "pl.Trainer", due: bool) -> None:
+    """Make Lightning validate after the training batch now ending exactly when ``due`` (call it from
+    ``on_train_batch_end``).
+
+    Lightning 2.6.6 decides in ``_TrainingEpochLoop._should_check_val_fx`` (``on_advance_end``, after the batch's
+    ``on_train_batch_end``): ``(current_iteration + 1) % trainer.val_check_batch == 0``, where ``current_iteration``
+    is ``total_batch_idx`` without ``check_val_every_n_epoch``, else ``batch_idx``. Setting ``trainer.val_check_batch``
+    to that count (or to one it cannot divide) gives the decision; its other triggers (a stop request, an infinite
+    loader's last batch) and ``check_val_every_n_epoch``'s epoch gate are left as they are.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    iteration = (loop.total_batch_idx if trainer.check_val_every_n_epoch is None else loop.batch_idx) + 1
+    trainer.val_check_batch = iteration if due else iteration + 2**40  # never divides iteration
+
+
 # ---------------------------------------------------------------------------------------------- trainer and module
 def request_stop(trainer: "pl.Trainer") -> None:
     """Ask the loops to stop at the next batch boundary, exactly as a SIGTERM does.

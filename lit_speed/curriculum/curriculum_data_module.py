@@ -12,7 +12,8 @@ from typing_extensions import override
 from lit_speed.curriculum.difficulty import difficulty_order, resolve_scores
 from lit_speed.curriculum.pacing import check_pacing, pacing_fraction, progress_at, seq_len_at
 from lit_speed.curriculum.sampler import CurriculumSampler
-from lit_speed.data.pipeline import BatchFetch, LoaderOptions, apply_batch_transform, truncate_sequences
+from lit_speed.data.pipeline import (BatchFetch, LoaderOptions, ResumableDataLoader, apply_batch_transform,
+                                     check_batch_transform, truncate_sequences)
 
 PACE_UNITS = ("steps", "epochs")
 
@@ -92,7 +93,8 @@ class CurriculumDataModule(pl.LightningDataModule):
         self.pacing, self.start_fraction, self.pace_stages = pacing, start_fraction, pace_stages
         self.pace_duration, self.pace_unit = pace_duration, pace_unit
         self.seq_len_start, self.seq_len_warmup, self.seq_len_multiple = seq_len_start, seq_len_warmup, seq_len_multiple
-        self.seed, self.drop_last, self.batch_transform = seed, drop_last, batch_transform
+        self.seed, self.drop_last = seed, drop_last
+        self.batch_transform = check_batch_transform('CurriculumDataModule', batch_transform)
         self.sampler: CurriculumSampler | None = None
         inner = getattr(datamodule, "block_size", None)
         if block_size is not None and inner is not None and block_size != inner:
@@ -163,8 +165,8 @@ class CurriculumDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
         preloaded = isinstance(self.train_dataset, torch.utils.data.TensorDataset)
-        return DataLoader(BatchFetch(self.train_dataset), sampler=self.sampler, batch_size=None,
-                          **self._loader_kwargs(preloaded))
+        return ResumableDataLoader(BatchFetch(self.train_dataset), sampler=self.sampler, batch_size=None,
+                                   **self._loader_kwargs(preloaded))
 
     @override
     def val_dataloader(self) -> Any:

@@ -20,9 +20,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lit_speed.data.pipeline import BatchFetch, LoaderOptions
+from lit_speed.data.pipeline import BatchFetch, LoaderOptions, ResumableDataLoader, check_batch_transform
 from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
-from lit_speed.run_contract import SummaryExtra
+from lit_speed.run_contract import SummaryExtra, TokenLimits
 
 # A fixed vocabulary (tab, newline, printable ASCII) so token ids never depend on corpus content;
 # any other character maps to "?" (index of "?").
@@ -237,6 +237,7 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
     of ``batch_size`` slices and a collate), in the same shuffled order as ``shuffle=True``.
     """
 
+    data_name = "charlm"  # what its messages call it ("charlm training order resumed ...")
     batch_kind = "tokens->next-token"  # what model= must take (lit_speed.run_contract.BatchSource)
 
     def __init__(
@@ -259,16 +260,17 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         super().__init__()
         for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_val_windows", max_val_windows)):
             if value < 1:
-                raise ValueError(f"CharLMDataModule({name}={value!r}): {name} must be >= 1, got {value}")
+                raise ValueError(f"{type(self).__name__}({name}={value!r}): {name} must be >= 1, got {value}")
         self.loader = LoaderOptions(num_workers, pin_memory, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["batch_transform"])
-        self.batch_transform = batch_transform
+        self.batch_transform = check_batch_transform(type(self).__name__, batch_transform)
         self.batch_size = batch_size
         self.block_size = block_size
+        self.max_val_windows = max_val_windows
         self.corpus: Corpus | None = None
         self.train_dataset: TokenWindows | None = None
         self.val_dataset: torch.utils.data.Subset | None = None
-        self.train_order = ResumableShuffle("charlm")  # resumes mid-epoch through state_dict
+        self.train_order = ResumableShuffle(self.data_name)  # resumes mid-epoch through state_dict
 
     @override
     def prepare_data(self) -> None:
@@ -285,11 +287,25 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
         """Training windows of ``train_tokens``, and up to ``max_val_windows`` evenly spaced validation windows."""
         if self.hparams.preload:
             train_tokens, val_tokens = torch.from_numpy(np.array(train_tokens)), torch.from_numpy(np.array(val_tokens))
+        for split, tokens in (("training", train_tokens), ("validation", val_tokens)):
+            if len(tokens) < self.block_size + 1:  # TokenWindows' own error names neither setting
+                raise ValueError(f"{type(self).__name__}(block_size={self.block_size}): the {split} text has "
+                                 f"{len(tokens):,} tokens, fewer than block_size + 1 = {self.block_size + 1}. Fix: a "
+                                 "smaller data.block_size, or more text (data.root, data.max_bytes)")
         self.train_dataset = TokenWindows(train_tokens, self.block_size, self.hparams.train_stride)
-        val = TokenWindows(val_tokens, self.block_size)
-        # evenly spaced windows across the whole validation text, not just its head
-        idx = np.linspace(0, len(val) - 1, num=min(len(val), self.hparams.max_val_windows)).round().astype(int)
-        self.val_dataset = torch.utils.data.Subset(val, np.unique(idx).tolist())
+        self._val_windows = TokenWindows(val_tokens, self.block_size)
+        self.val_dataset = self._val_subset(self.max_val_windows)
+
+    def _val_subset(self, count: int) -> torch.utils.data.Subset:
+        """``count`` windows evenly spaced across the whole validation text, not just its head."""
+        val = self._val_windows
+        idx = np.linspace(0, len(val) - 1, num=min(len(val), count)).round().astype(int)
+        return torch.utils.data.Subset(val, np.unique(idx).tolist())
+
+    def token_limits(self) -> TokenLimits:
+        """Ids of the fixed character vocabulary and the window (``lit_speed.run_contract.TokenSource``)."""
+        return TokenLimits(VOCAB_SIZE, self.block_size, "", name=f"the fixed {VOCAB_SIZE}-character vocabulary",
+                           positions_source=f"block_size={self.block_size}")
 
     def unigram_baseline(self) -> float:
         """Validation loss (nats/char) of a model that knows only the training text's character frequencies."""
@@ -307,7 +323,8 @@ class CharLMDataModule(ResumableOrderHooks, pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # the same draw as shuffle=True, drop_last=True, resumable mid-epoch; each batch gathered in one index
         sampler = self.train_order.sampler_for(len(self.train_dataset), self.batch_size, True, self.trainer)
-        return DataLoader(BatchFetch(self.train_dataset), sampler=sampler, batch_size=None, **self._loader_kwargs())
+        return ResumableDataLoader(BatchFetch(self.train_dataset), sampler=sampler, batch_size=None,
+                                   **self._loader_kwargs())
 
     @override
     def val_dataloader(self) -> DataLoader:

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lit_speed.data.pipeline import BatchFetch, LoaderOptions
+from lit_speed.data.pipeline import BatchFetch, LoaderOptions, ResumableDataLoader, check_batch_transform
 from lit_speed.data.resumable import ResumableOrderHooks, ResumableShuffle
 
 
@@ -67,7 +67,7 @@ class DigitsDataModule(ResumableOrderHooks, pl.LightningDataModule):
         self.loader = LoaderOptions(num_workers, pin_memory, persistent_workers, prefetch_factor)
         self.save_hyperparameters(ignore=["batch_transform"])
         self.batch_size = batch_size
-        self.batch_transform = batch_transform
+        self.batch_transform = check_batch_transform('DigitsDataModule', batch_transform)
         self.train_dataset: TensorDataset | None = None
         self.val_dataset: TensorDataset | None = None
         self.train_order = ResumableShuffle("digits")  # resumes mid-epoch through state_dict
@@ -84,8 +84,8 @@ class DigitsDataModule(ResumableOrderHooks, pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # the same draw as shuffle=True, resumable mid-epoch; preload serves a whole batch per tensor index
         sampler = self.train_order.sampler_for(len(self.train_dataset), self.batch_size, False, self.trainer)
-        return DataLoader(BatchFetch(self.train_dataset, per_sample=not self.hparams.preload), sampler=sampler,
-                          batch_size=None, **self._loader_kwargs())
+        return ResumableDataLoader(BatchFetch(self.train_dataset, per_sample=not self.hparams.preload),
+                                   sampler=sampler, batch_size=None, **self._loader_kwargs())
 
     @override
     def val_dataloader(self) -> DataLoader:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 
 def available_cores() -> int:
@@ -106,6 +106,24 @@ class LoaderOptions:
         return loader_kwargs(workers, resolve_pin_memory(self.pin_memory, trainer), persistent, self.prefetch_factor)
 
 
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` whose position resumes through its DataModule's own ``state_dict``.
+
+    Lightning 2.6.6 (``_TrainingEpochLoop.reset``) warns on every mid-epoch resume that a loader without
+    ``state_dict``/``load_state_dict`` "is not resumable". The DataModules that build this loader save their
+    sampler's position themselves (:class:`~lit_speed.data.resumable.ResumableShuffle`, the curriculum's sampler)
+    and Lightning restores the DataModule before the loop starts, so a resume serves exactly the batches the
+    uninterrupted run serves (``tests/checkpointing/test_faults_midepoch.py``): the loader has nothing more to save,
+    its own state is empty, and Lightning's warning, which would be false here, is not raised.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the position lives in the DataModule's state_dict, saved and restored with it
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore here (see the class docstring)."""
+
+
 class BatchFetch(Dataset):
     """Index a dataset with a list of indices and get the whole batch back.
 
@@ -172,6 +190,21 @@ def jitter_images(batch: tuple[torch.Tensor, torch.Tensor], side: int = 8, max_s
     if noise:
         out = out + noise * torch.randn(out.shape, generator=generator, device=x.device)
     return out.reshape(n, side * side), y
+
+
+def check_batch_transform(owner: str, transform: Any) -> Callable[[Any], Any] | None:
+    """``transform`` when it is ``None`` or callable.
+
+    Raises:
+        ValueError: Anything else (a string from the command line, a number), naming ``owner``'s argument and the
+            Hydra form of a function.
+    """
+    if transform is None or callable(transform):
+        return transform
+    raise ValueError(f"{owner}(batch_transform={transform!r}): must be a function batch -> batch or None, got a "
+                     f"{type(transform).__name__}. Fix: a function; from Hydra a _partial_ target, e.g. "
+                     "'data.batch_transform={_target_:lit_speed.data.pipeline.jitter_images,_partial_:true}' "
+                     "(digits), or data.batch_transform=null")
 
 
 def apply_batch_transform(transform: Callable[[Any], Any] | None, batch: Any, training: bool) -> Any:

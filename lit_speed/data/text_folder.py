@@ -18,7 +18,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from lit_speed.data.charlm import CharLMDataModule, Corpus, TokenWindows, read_texts, unigram_cross_entropy
+from lit_speed.data.charlm import (CharLMDataModule, Corpus, TokenWindows, read_texts, source_root,
+                                   unigram_cross_entropy)
+from lit_speed.run_contract import TokenLimits
 
 DEFAULT_PATTERNS = ("**/*.txt", "**/*.md", "**/*.rst", "**/*.py")
 
@@ -31,16 +33,51 @@ def load_tokenizer(source: str) -> Any:
         raise ValueError(f"TextFolderDataModule(tokenizer={source}): needs the transformers package. Fix: pip "
                          "install -e \".[finetune]\" (or bash scripts/run.sh setup)") from None
     try:
-        return AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as error:
         raise ValueError(f"TextFolderDataModule(tokenizer={source}): no tokenizer there "
                          f"({' '.join(str(error).split())[:200]}). Fix: data.tokenizer=<a folder with tokenizer files, "
                          "e.g. the model's save_pretrained folder> or a hub id (needs network access)") from None
+    check_tokenizer_usable(tokenizer, source)
+    return tokenizer
+
+
+# files a tokenizer is saved as (fast tokenizer, sentencepiece, BPE vocab + merges, WordPiece, tiktoken)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken")
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog."
+
+
+def check_tokenizer_usable(tokenizer: Any, source: str) -> None:
+    """Refuse a tokenizer that encodes ordinary text to nothing (or to unknown tokens only).
+
+    ``transformers`` 5 builds an empty tokenizer from a model folder without tokenizer files (its config names the
+    class, the vocabulary is missing) instead of raising; the corpus would be a handful of end-of-text tokens.
+
+    Raises:
+        ValueError: Naming the folder, what it holds and the fix (``data.tokenizer``).
+    """
+    ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if ids and any(i != unknown for i in ids):
+        return
+    folder = Path(str(source)).expanduser()
+    held = ""
+    if folder.is_dir():
+        files = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+        held = (f"; the folder has {', '.join(files)}" if files else
+                f"; the folder has no tokenizer file ({', '.join(TOKENIZER_FILES[:4])}, ...)")
+    encoded = "no ids" if not ids else "unknown tokens only"
+    raise ValueError(f"TextFolderDataModule(tokenizer={source}): no usable tokenizer there: transformers built "
+                     f"{type(tokenizer).__name__} with {len(tokenizer)} token(s), and {PROBE_TEXT[:19]!r}... encodes "
+                     f"to {encoded}{held}. Fix: data.tokenizer=<a folder with the model's tokenizer files, or its hub "
+                     "id> (data.tokenizer defaults to model.pretrained)")
 
 
 def list_text_files(root: str | os.PathLike, patterns: Sequence[str] = DEFAULT_PATTERNS) -> list[Path]:
-    """Files under ``root`` matching ``patterns``, sorted by relative path (links and hidden folders skipped)."""
-    root = Path(root).expanduser()
+    """Files under ``root`` matching ``patterns``, sorted by relative path (links and hidden folders skipped).
+    A name that is no folder but an installed package (``lightning``) means that package's source folder."""
+    root = source_root(root)
     if not root.is_dir():
         raise FileNotFoundError(f"TextFolderDataModule(root={root}): no such folder. Fix: data.root=<a folder of "
                                 "text files>")
@@ -68,7 +105,7 @@ def build_token_corpus(cache_dir: str | os.PathLike, tokenizer: Any, root: str |
     if val_every < 2:
         raise ValueError(f"TextFolderDataModule(val_every={val_every}): must be >= 2 (every n-th file goes to "
                          "validation). Fix: data.val_every=10")
-    root = Path(root).expanduser()
+    root = source_root(root)  # a folder, or an installed package's name (lightning)
     digest = hashlib.sha256(f"v1|{max_bytes}|{val_every}|{tokenizer_fingerprint(tokenizer)}".encode())
     texts = [text for _, text in read_texts(list_text_files(root, patterns), root, max_bytes, digest)]
     if len(texts) < 2:
@@ -102,6 +139,36 @@ def build_token_corpus(cache_dir: str | os.PathLike, tokenizer: Any, root: str |
     return Corpus(paths.train_path, paths.val_path, meta)
 
 
+#: ``max_val_windows="auto"``: one validation pass reads about this share of the tokens the run trains on...
+VAL_TOKEN_FRACTION = 0.05
+#: ... and at least / at most this many windows (a loss estimate needs a few; a fine-tune needs no more).
+AUTO_VAL_WINDOWS = (8, 256)
+
+
+def planned_training_tokens(trainer: Any, batch_size: int, block_size: int, train_windows: int) -> int | None:
+    """Tokens the run will train on, from the Trainer's stopping settings (``None`` when only time stops it)."""
+    per_batch = batch_size * block_size * max(int(getattr(trainer, "world_size", 1) or 1), 1)
+    if getattr(trainer, "max_steps", -1) and trainer.max_steps > 0:
+        return trainer.max_steps * max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1) * per_batch
+    epochs = getattr(trainer, "max_epochs", None)
+    if epochs is not None and epochs > 0:
+        return epochs * (train_windows // max(batch_size, 1)) * per_batch
+    return None
+
+
+def auto_val_windows(planned_tokens: int | None, block_size: int) -> int:
+    """Validation windows for ``max_val_windows="auto"``: :data:`VAL_TOKEN_FRACTION` of the planned training
+    tokens, within :data:`AUTO_VAL_WINDOWS` (the most when the plan is unknown).
+
+    At real size a forward pass is seconds per window: 256 windows of 256 tokens validate for minutes, longer than a
+    short fine-tune trains; a long run still gets the full set.
+    """
+    low, high = AUTO_VAL_WINDOWS
+    if planned_tokens is None:
+        return high
+    return int(min(max(-(-planned_tokens * VAL_TOKEN_FRACTION // block_size), low), high))
+
+
 class TextFolderDataModule(CharLMDataModule):
     """Language-model windows of a folder of text files, tokenized by ``tokenizer`` (tokenized once, cached).
 
@@ -111,7 +178,10 @@ class TextFolderDataModule(CharLMDataModule):
             tokenizer object.
         cache_dir: Where the token arrays are cached.
         patterns: Glob patterns of the files to read, relative to ``root``.
-        block_size, batch_size, max_bytes, val_every, train_stride, max_val_windows, num_workers, pin_memory,
+        max_val_windows: Validation windows, or ``"auto"``: :data:`VAL_TOKEN_FRACTION` of the tokens the run
+            trains on (from ``max_steps`` or ``max_epochs``), 8-256 windows; see :func:`auto_val_windows`.
+            Validation batches are ``batch_size`` windows, the micro-batch that fits in training.
+        block_size, batch_size, max_bytes, val_every, train_stride, num_workers, pin_memory,
         persistent_workers, prefetch_factor, preload, batch_transform: As in
             :class:`~lit_speed.data.charlm.CharLMDataModule`.
 
@@ -120,16 +190,22 @@ class TextFolderDataModule(CharLMDataModule):
         dm = TextFolderDataModule("my_texts/", tokenizer="path/to/hf_model", cache_dir=".cache/text")
     """
 
+    data_name = "text_folder"  # what its messages call it ("text_folder training order resumed ...")
     batch_kind = "tokenizer-ids->next-token"  # ids of the model's own tokenizer (lit_speed.run_contract.BatchSource)
 
     def __init__(self, root: str, tokenizer: Any, cache_dir: str, patterns: Sequence[str] = DEFAULT_PATTERNS,
                  block_size: int = 128, batch_size: int = 8, max_bytes: int = 4_000_000, val_every: int = 10,
-                 train_stride: int | None = None, max_val_windows: int = 256, num_workers: int | str = 0,
+                 train_stride: int | None = None, max_val_windows: int | str = "auto", num_workers: int | str = 0,
                  pin_memory: bool | str = "auto", persistent_workers: bool | None = None,
                  prefetch_factor: int | None = None, preload: bool = False,
                  batch_transform: Callable[[Any], Any] | None = None) -> None:
         patterns = [str(p) for p in patterns]  # plain strings: hyperparameters go into every checkpoint
-        super().__init__(cache_dir, block_size, batch_size, max_bytes, val_every, train_stride, max_val_windows,
+        if max_val_windows != "auto" and (isinstance(max_val_windows, bool) or not isinstance(max_val_windows, int)):
+            raise ValueError(f"TextFolderDataModule(max_val_windows={max_val_windows!r}): must be an int >= 1 or "
+                             "'auto'. Fix: max_val_windows=auto (5% of the training tokens, 8-256 windows)")
+        self.auto_val = max_val_windows == "auto"
+        super().__init__(cache_dir, block_size, batch_size, max_bytes, val_every, train_stride,
+                         AUTO_VAL_WINDOWS[1] if self.auto_val else max_val_windows,
                          num_workers, root, pin_memory, persistent_workers, prefetch_factor, preload, batch_transform)
         self.save_hyperparameters(ignore=["batch_transform", "tokenizer"])
         self.tokenizer_source = tokenizer
@@ -161,6 +237,16 @@ class TextFolderDataModule(CharLMDataModule):
         val = np.memmap(self.corpus.val_path, dtype=dtype, mode="r")
         self._set_windows(train, val)
 
+    def val_dataloader(self) -> Any:
+        from torch.utils.data import DataLoader
+
+        if self.auto_val and self.trainer is not None:  # the run's plan is known once the Trainer holds this module
+            planned = planned_training_tokens(self.trainer, self.batch_size, self.block_size, len(self.train_dataset))
+            self.val_dataset = self._val_subset(auto_val_windows(planned, self.block_size))
+        # the micro-batch: a model of real size holds batch x block x vocabulary logits per validation batch
+        kwargs = {**self._loader_kwargs(), "persistent_workers": False}
+        return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False, **kwargs)
+
     def unigram_baseline(self) -> float:
         self.setup()
         dtype = np.dtype(self.corpus.meta["dtype"])
@@ -168,12 +254,22 @@ class TextFolderDataModule(CharLMDataModule):
                                      np.memmap(self.corpus.val_path, dtype=dtype, mode="r"),
                                      vocab_size=self.corpus.meta["vocab_size"])
 
+    def token_limits(self) -> TokenLimits:
+        """The tokenizer's vocabulary (loaded now, and checked) and the window (``lit_speed.run_contract.TokenSource``)."""
+        source = self.tokenizer_source if isinstance(self.tokenizer_source, (str, os.PathLike)) else \
+            type(self.tokenizer_source).__name__
+        return TokenLimits(len(self.tokenizer), self.block_size, f"tokenizer={source}",
+                           positions_source=f"block_size={self.block_size}")
+
     def describe(self) -> dict[str, Any]:
         self.setup()
         m = self.corpus.meta
         return {"data": f"text folder {m['root']} ({m['content_hash']}): {m['train_tokens']:,} train / "
                         f"{m['val_tokens']:,} val tokens ({m['train_files']}/{m['val_files']} files), "
-                        f"block {self.block_size}, vocab {m['vocab_size']:,}"}
+                        f"block {self.block_size}, vocab {m['vocab_size']:,}",
+                "validation": (f"auto: {VAL_TOKEN_FRACTION:.0%} of the training tokens, {AUTO_VAL_WINDOWS[0]}-"
+                               f"{AUTO_VAL_WINDOWS[1]} windows" if self.auto_val else
+                               f"{len(self.val_dataset)} windows") + f", batches of {self.batch_size}"}
 
 
 __all__ = ["TextFolderDataModule", "TokenWindows", "build_token_corpus", "list_text_files"]

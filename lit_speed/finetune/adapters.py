@@ -11,6 +11,7 @@ list of whole modules left trainable (a new head).
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 from typing import Any, Iterable, Sequence
@@ -93,12 +94,36 @@ def module_names_matching(model: nn.Module, specs: Iterable[str | type], owner: 
 def peft_config(method: str, target_names: Sequence[str], r: int, alpha: float, dropout: float,
                 options: dict[str, Any] | None = None) -> Any:
     """The ``peft`` config object of ``method`` for exactly the modules named ``target_names``."""
+    import dataclasses
+
     import peft
 
     class_name, alpha_key, dropout_key = METHODS[method]
-    kwargs = {"r": r, alpha_key: alpha, dropout_key: dropout, **(options or {})}
-    # full names: peft matches a list by name or dotted suffix, so a full name selects exactly that module
-    return getattr(peft, class_name)(target_modules=list(target_names), **kwargs)
+    config_class = getattr(peft, class_name)
+    options = dict(options or {})
+    set_here = {"r", alpha_key, dropout_key, "target_modules"}
+    accepted = sorted(f.name for f in dataclasses.fields(config_class) if f.init and f.name not in set_here)
+    own = {alpha_key: "alpha", dropout_key: "dropout", "r": "r", "target_modules": "target_modules"}
+    for key, value in options.items():
+        if key in own:
+            raise ValueError(f"PEFTAdapters(options={options}): {key!r} is PEFTAdapters' own argument {own[key]!r} "
+                             f"(it sets {class_name}'s {key}). Fix: peft.{own[key]}={value} instead of "
+                             f"peft.options.{key}")
+    unknown = [k for k in options if k not in accepted]
+    if unknown:  # peft's TypeError would name neither the option nor what it takes
+        near = difflib.get_close_matches(unknown[0], accepted, n=1)
+        hint = f" Did you mean {near[0]}?" if near else ""
+        raise ValueError(f"PEFTAdapters(options={options}): {unknown[0]!r} is not an argument of peft's "
+                         f"{class_name}.{hint} It takes: {', '.join(accepted)}. Fix: drop it "
+                         f"(~peft.options.{unknown[0]}), or one of those")
+    kwargs = {"r": r, alpha_key: alpha, dropout_key: dropout, **options}
+    try:
+        # full names: peft matches a list by name or dotted suffix, so a full name selects exactly that module
+        return config_class(target_modules=list(target_names), **kwargs)
+    except (ValueError, TypeError) as error:  # a known option with a value peft refuses
+        raise ValueError(f"PEFTAdapters(options={options}): peft's {class_name} refused it "
+                         f"({' '.join(str(error).split())[:300]}). Fix: the values its documentation allows, or "
+                         "drop the option") from None
 
 
 def add_adapters(model: nn.Module, method: str = "lora", target_modules: Sequence[str | type] = (ALL_LINEAR,),
@@ -139,9 +164,16 @@ def add_adapters(model: nn.Module, method: str = "lora", target_modules: Sequenc
     else:
         import peft
 
+        config = peft_config(method, targets, r, alpha, dropout, options)  # an option peft refuses names itself
         try:
-            peft.inject_adapter_in_model(peft_config(method, targets, r, alpha, dropout, options), model)
+            peft.inject_adapter_in_model(config, model)
         except (ValueError, TypeError) as error:  # e.g. a container class: peft adapts layers only
+            reason = " ".join(str(error).split())[:300]
+            blamed = [k for k in (options or {}) if k in reason]  # a value peft checks only when it builds a layer
+            if blamed:
+                raise ValueError(f"PEFTAdapters(options={dict(options or {})}): peft refused {blamed[0]} ({reason}). "
+                                 f"Fix: a value peft's {METHODS[method][0]} allows for {blamed[0]}, or drop it "
+                                 f"(~peft.options.{blamed[0]})") from None
             raise ValueError(f"PEFTAdapters(target_modules={[str(t) for t in target_modules]}): peft refused "
                              f"({' '.join(str(error).split())[:300]}). Fix: target layers (Linear, Embedding, Conv), "
                              "by name or class") from None
@@ -166,16 +198,34 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
+#: Elements of each frozen tensor read into the fingerprint, evenly spaced (all of a smaller tensor).
+FINGERPRINT_SAMPLE = 65_536
+
+
 def frozen_fingerprint(model: nn.Module) -> str:
-    """SHA-256 (16 hex digits) of the frozen tensors' names and bytes: the base an adapter checkpoint belongs to."""
+    """SHA-256 (16 hex digits) of the frozen tensors' names, shapes and values: the base an adapter checkpoint
+    belongs to.
+
+    Each tensor contributes up to :data:`FINGERPRINT_SAMPLE` evenly spaced elements, read in place: hashing every
+    byte of a 1B-parameter base costs ~10 s of start-up and a copy of its largest tensor, and two different bases
+    (another checkpoint, another fine-tune) differ at the sampled elements as everywhere else.
+    """
     digest = hashlib.sha256()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     for name, tensor in model.state_dict().items():
         if name in trainable or not isinstance(tensor, torch.Tensor):
             continue
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                      if tensor.numel() else b"")
+        # floating tensors as float32 values: a base read in bf16 from a bf16 file (peft.base_dtype=bf16 loads it so)
+        # is the same base as that file read in float32
+        kind = "float" if tensor.is_floating_point() else str(tensor.dtype)
+        digest.update(f"{name}|{tuple(tensor.shape)}|{kind}".encode())
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() > FINGERPRINT_SAMPLE:
+            flat = flat[:: flat.numel() // FINGERPRINT_SAMPLE][:FINGERPRINT_SAMPLE]
+        if flat.is_floating_point():
+            flat = flat.float()
+        if flat.numel():
+            digest.update(flat.cpu().contiguous().view(torch.uint8).numpy())
     return digest.hexdigest()[:16]
 
 

@@ -2,16 +2,23 @@
 
 ::
 
-    paths = export_merged(lightning_module, "out/")   # out/model.pt (+ out/hf/ for a Hugging Face model)
+    paths = export_merged(lightning_module, "out/")   # out/hf/ for a Hugging Face model, else out/model.pt
 
-The merge is ``peft``'s (``merge(safe_merge=True)`` of each adapter layer, then the layer is replaced by its base
-layer); it runs on a float32 copy of the module's children, so the trained module is left as it is (adapters,
-precision, activation checkpointing) and ``state_dict()``'s float32 values are used (bf16-master's masters).
+One format is written (``format="auto"``: a ``save_pretrained`` folder for a Hugging Face model, a ``state_dict``
+file otherwise; ``"hf"`` or ``"state_dict"`` to choose). Each adapter layer is merged by ``peft`` itself
+(``merge(safe_merge=True)``) on a float32 copy of that one layer, and the folder is written shard by shard, so the
+export never holds a second copy of the model: at 0.5-1B parameters a whole merged copy costs as much memory as
+the weights. The trained module is left exactly as it was (adapters, precision, activation checkpointing); its
+``state_dict()`` values are used in float32 (bf16-master's masters; a bf16-held frozen base's values, exactly, plus
+the adapters' float32 update).
 """
 from __future__ import annotations
 
 import copy
+import json
+import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -39,54 +46,160 @@ def merge_adapters(model: nn.Module) -> int:
     return len(layers)
 
 
-def merged_copy(model: nn.Module) -> nn.Module:
-    """A float32 copy of ``model``'s children holding ``model.state_dict()``'s values, adapters merged.
-
-    Only the children are copied: a LightningModule's trainer and the hooks a precision plugin put on the module
-    itself stay behind. The copy's ``state_dict`` keys are ``model``'s, without the adapters'.
-    """
-    values = {k: v.detach().float() if v.is_floating_point() else v.detach()
-              for k, v in model.state_dict().items()}
-    root = nn.Module()
-    for name, child in model.named_children():
-        setattr(root, name, copy.deepcopy(child))
-    root.float()
-    missing, unexpected = root.load_state_dict({k: v for k, v in values.items()}, strict=False)
-    own = [k for k in missing if "." not in k]  # parameters of the module itself (not of a child) are not copied
-    if unexpected or [k for k in missing if k not in own]:
-        raise ValueError(f"merged_copy: the copy of {type(model).__name__} does not take its own state_dict "
-                         f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
-    merge_adapters(root)
-    return root
-
-
 def hf_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The direct children that are Hugging Face models (they have ``save_pretrained`` and a ``config``)."""
     return [(n, m) for n, m in module.named_children() if hasattr(m, "save_pretrained") and hasattr(m, "config")]
 
 
-def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None) -> dict[str, str]:
-    """Write ``model`` with its adapters merged: ``model.pt`` (a state_dict with ``model``'s keys) and, for each
-    Hugging Face child, a ``save_pretrained`` folder (``hf/`` for a child named ``model``, else ``hf_<name>/``).
+def check_export_dir(out_dir: str | Path, owner: str = "PEFTAdapters") -> Path:
+    """Create ``out_dir`` (and its parents) and prove it writable with a probe file, before any training.
+
+    Raises:
+        ValueError: The folder cannot be created or written, naming why and the fix.
+    """
+    out = Path(out_dir).expanduser()
+    probe = out / f".write_probe_{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ValueError(f"{owner}(export_dir={out_dir}): the merged model could not be written there after training "
+                         f"({reason}: {error.filename or out}). Fix: export_dir=<a folder you can write to> "
+                         "(peft.export_dir=...), or export=false (peft.export=false)") from None
+    return out
+
+
+def _float32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().float() if tensor.is_floating_point() else tensor.detach()
+
+
+def merged_tensors(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """``module``'s state_dict with every adapter merged, in float32, one group of tensors at a time.
+
+    A group is one merged adapter layer (its base layer's tensors under the adapter layer's name) or one plain
+    tensor; only that group's merged copy exists while it is in use. Keys are those of the merged model, the
+    adapters' own tensors (``lora_A``...) are gone. Tensors that share storage (tied embeddings) come once, under
+    their first name.
+    """
+    layers = [(name, layer) for name, layer in adapter_layers(module)]
+    top = [(n, layer) for n, layer in layers if not any(n.startswith(other + ".") for other, _ in layers)]
+    inside = tuple(f"{name}." for name, _ in top)
+    seen: set[int] = set()
+    for key, value in module.state_dict(keep_vars=True).items():
+        if key.startswith(inside):
+            continue
+        if value.data_ptr() in seen and value.numel():
+            continue
+        seen.add(value.data_ptr())
+        yield {key: _float32(value)}
+    for name, layer in top:
+        one = copy.deepcopy(layer).float()
+        one.merge(safe_merge=True)  # raises on non-finite merged weights
+        yield {f"{name}.{k}": _float32(v) for k, v in one.get_base_layer().state_dict().items()}
+
+
+def write_hf_folder(model: nn.Module, folder: str | Path, tokenizer: object | None = None,
+                    max_shard_bytes: int = 2 * 2**30) -> Path:
+    """Write a Hugging Face model (adapters merged, float32) as ``save_pretrained`` would, shard by shard.
+
+    ``config.json`` (dtype float32), ``generation_config.json`` when the model has one, ``model.safetensors`` (or
+    numbered shards and ``model.safetensors.index.json`` above ``max_shard_bytes``) and the tokenizer. The
+    output embedding is left out when the config ties it to the input embedding, as ``save_pretrained`` does.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(model.config)
+    config.dtype = torch.float32
+    config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = getattr(text_config, "tie_word_embeddings", False)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_names = {f"{n}.weight" for n, m in model.named_modules() if m is output and output is not None}
+    size = total = 0
+    written: dict[str, str] = {}
+    pending: dict[str, torch.Tensor] = {}
+    parts: list[Path] = []
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            path = folder / f"model.part{len(parts):05d}.safetensors"
+            save_file({k: v.contiguous() for k, v in pending.items()}, str(path), metadata={"format": "pt"})
+            parts.append(path)
+            written.update({k: path.name for k in pending})
+            pending, size = {}, 0
+
+    for group in merged_tensors(model):
+        for key, value in group.items():
+            if tied and key in output_names:
+                continue  # tied to the input embedding: from_pretrained ties it again
+            nbytes = value.numel() * value.element_size()
+            if size and size + nbytes > max_shard_bytes:
+                flush()
+            pending[key] = value
+            size += nbytes
+            total += nbytes
+    flush()
+    if len(parts) == 1:
+        parts[0].rename(folder / "model.safetensors")
+    else:  # save_pretrained's names: model-00001-of-00003.safetensors and an index
+        names = {p.name: f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i, p in enumerate(parts)}
+        for path in parts:
+            path.rename(folder / names[path.name])
+        index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in sorted(written.items())}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+EXPORT_FORMATS = ("auto", "hf", "state_dict")
+
+
+def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
+                  format: str = "auto") -> dict[str, str]:
+    """Write ``model`` with its adapters merged, in float32, in one format.
 
     Args:
         model: A module with (or without) ``peft`` adapters: a LightningModule or a plain ``nn.Module``.
         out_dir: Folder to write into (created).
         tokenizer: Saved into the Hugging Face folder when given (anything with ``save_pretrained``).
+        format: ``"hf"``: a ``save_pretrained`` folder per Hugging Face child (``hf/`` for a child named
+            ``model``, else ``hf_<name>/``); ``"state_dict"``: ``model.pt``, a state_dict with ``model``'s keys;
+            ``"auto"``: ``hf`` when ``model`` holds a Hugging Face model, else ``state_dict``.
 
     Returns:
-        ``{"state_dict": path, "hf": folder, ...}``: what was written.
+        ``{"hf": folder}`` or ``{"state_dict": path}``: what was written.
+
+    Raises:
+        ValueError: An unknown ``format``, or ``"hf"`` for a model without a Hugging Face child.
     """
+    if format not in EXPORT_FORMATS:
+        raise ValueError(f"export_merged(format={format!r}): must be one of {', '.join(EXPORT_FORMATS)}")
+    children = hf_children(model)
+    if format == "auto":
+        format = "hf" if children else "state_dict"
+    if format == "hf" and not children:
+        raise ValueError(f"export_merged(format='hf'): {type(model).__name__} holds no Hugging Face model (a child "
+                         "with save_pretrained and a config). Fix: peft.export_format=state_dict (or auto)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    merged = merged_copy(model)
-    written = {"state_dict": str(out / "model.pt")}
+    if format == "hf":
+        written = {}
+        for name, child in children:
+            key = "hf" if name == "model" else f"hf_{name}"
+            written[key] = str(write_hf_folder(child, out / key, tokenizer))
+        return written
     # contiguous clones: tied weights become two equal tensors, which torch.load(weights_only=True) reads anywhere
-    torch.save({k: v.clone().contiguous() for k, v in merged.state_dict().items()}, out / "model.pt")
-    for name, child in hf_children(merged):
-        folder = out / ("hf" if name == "model" else f"hf_{name}")
-        child.save_pretrained(folder)
-        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(folder)
-        written["hf" if name == "model" else f"hf_{name}"] = str(folder)
-    return written
+    state = {k: v.clone().contiguous() for group in merged_tensors(model) for k, v in group.items()}
+    for key, value in model.state_dict(keep_vars=True).items():  # a tied name merged_tensors gave once
+        if key not in state and not any(key.startswith(f"{n}.") for n, _ in adapter_layers(model)):
+            state[key] = _float32(value).clone().contiguous()
+    torch.save(state, out / "model.pt")
+    return {"state_dict": str(out / "model.pt")}

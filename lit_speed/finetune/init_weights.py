@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -102,6 +102,10 @@ class InitWeights(Callback):
             pretrain_once(self.path, self.pretrain)
         self.report = load_weights(model, self.path, self.strict)
         rank_zero_info(f"InitWeights: {self.report.describe()}")
+        if 2 * self.report.loaded <= self.report.model_tensors:  # strict=false on weights of another model
+            rank_zero_warn(f"InitWeights(path={self.path}, strict=False): only {self.report.loaded} of the model's "
+                           f"{self.report.model_tensors} tensors were in the file; the rest trains from its random "
+                           "initialisation. Check init.path holds this model's weights")
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:

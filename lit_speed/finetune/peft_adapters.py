@@ -6,10 +6,12 @@ the adapters only, and the library (Hugging Face ``peft``) does the math. The fu
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch import nn
@@ -17,7 +19,10 @@ from typing_extensions import override
 
 from lit_speed.finetune.adapters import (ALL_LINEAR, METHODS, add_adapters, drop_frozen_from_optimizer,
                                          frozen_fingerprint, parameter_counts)
-from lit_speed.finetune.export import export_merged
+from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_merged
+from lit_speed.finetune.frozen_base import (BASE_DTYPES, COMPUTES, choose_base_compute, lower_frozen_base,
+                                            set_base_compute, upcast_unlowered)
+from lit_speed.precision.modes import spec as precision_spec
 
 ADAPTERS_ONLY_KEY = "adapters_only"  # top-level checkpoint key: the state_dict holds the trainable tensors only
 
@@ -44,9 +49,18 @@ class PEFTAdapters(Callback):
         options: More arguments of the ``peft`` config class (``{use_rslora: true}``, ``{init_weights: gaussian}``).
         adapters_only_checkpoints: Checkpoints hold the trainable tensors only (plus optimizer, loops, and the
             fingerprint of the frozen base they belong to); ``False`` keeps full checkpoints.
-        export: After fit, write the merged model into ``export_dir`` (``model.pt``, and ``hf/`` for a Hugging Face
-            model). Not under ZeRO stage 3 (parameters are partitioned): refused at setup.
+        export: After fit, write the merged model (float32) into ``export_dir``. Not under ZeRO stage 3
+            (parameters are partitioned): refused at setup.
         export_dir: Folder for the export; ``None`` = ``<trainer.default_root_dir>/merged``.
+        export_format: ``auto`` (a ``save_pretrained`` folder ``hf/`` for a Hugging Face model, else ``model.pt``),
+            ``hf`` or ``state_dict``: one format, written once (see :func:`~lit_speed.finetune.export.export_merged`).
+        base_dtype: ``bf16`` holds the frozen base's Linear/Embedding weights in bf16 (half their bytes) while
+            adapters, gradients and optimizer state stay float32 and the export is float32
+            (:mod:`lit_speed.finetune.frozen_base`); ``None`` keeps it as loaded. With float32-weight precision modes
+            only (``32-true``, ``bf16-mixed``, ``16-mixed``), not under ZeRO.
+        base_compute: How the bf16 base computes: ``fp32`` (each weight cast for its own matmul), ``bf16`` (native
+            bf16 matmuls), or ``auto``: autocast's dtype under a mixed mode, else timed here
+            (:func:`~lit_speed.finetune.frozen_base.choose_base_compute`; float32 on CPUs without native bf16).
 
     Raises:
         ValueError: An unknown method, a rank < 1, targets that match nothing (listing the module names and classes
@@ -60,7 +74,8 @@ class PEFTAdapters(Callback):
     def __init__(self, method: str = "lora", target_modules: Sequence[str] = (ALL_LINEAR,), r: int = 8,
                  alpha: float = 16.0, dropout: float = 0.0, trainable_modules: Sequence[str] = (),
                  options: dict[str, Any] | None = None, adapters_only_checkpoints: bool = True, export: bool = True,
-                 export_dir: str | None = None) -> None:
+                 export_dir: str | None = None, export_format: str = "auto", base_dtype: str | None = None,
+                 base_compute: str = "auto") -> None:
         if method not in METHODS:
             raise ValueError(f"PEFTAdapters(method={method!r}): unknown method. "
                              f"Fix: method=<one of {', '.join(METHODS)}>")
@@ -70,6 +85,10 @@ class PEFTAdapters(Callback):
             trainable_modules = [trainable_modules]
         if method != "freeze" and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
             raise ValueError(f"PEFTAdapters(r={r!r}): the adapter rank must be an int >= 1. Fix: r=8 (4-64 is usual)")
+        if export_format not in EXPORT_FORMATS:
+            raise ValueError(f"PEFTAdapters(export_format={export_format!r}): must be one of "
+                             f"{', '.join(EXPORT_FORMATS)}. Fix: export_format=auto (hf/ for a Hugging Face model, "
+                             "else model.pt)")
         if not 0.0 <= float(dropout) < 1.0:
             raise ValueError(f"PEFTAdapters(dropout={dropout!r}): must be in [0, 1). Fix: dropout=0.05")
         self.method, self.r, self.alpha, self.dropout = method, r, float(alpha), float(dropout)
@@ -77,7 +96,22 @@ class PEFTAdapters(Callback):
         self.trainable_modules = list(trainable_modules)
         self.options = dict(options or {})
         self.adapters_only_checkpoints = bool(adapters_only_checkpoints)
-        self.export, self.export_dir = bool(export), export_dir
+        self.export, self.export_dir, self.export_format = bool(export), export_dir, export_format
+        self.export_seconds: float | None = None
+        if base_dtype is not None and base_dtype not in BASE_DTYPES:
+            raise ValueError(f"PEFTAdapters(base_dtype={base_dtype!r}): the frozen base is held in one of "
+                             f"{', '.join(BASE_DTYPES)} or as loaded. Fix: base_dtype=bf16, or base_dtype=null")
+        if base_compute not in COMPUTES:
+            raise ValueError(f"PEFTAdapters(base_compute={base_compute!r}): one of {', '.join(COMPUTES)}. "
+                             "Fix: base_compute=auto")
+        if base_dtype is not None and method == "freeze":
+            raise ValueError(f"PEFTAdapters(base_dtype={base_dtype!r}): method=freeze has no adapters; a frozen "
+                             "model with a low-precision base is what precision=bf16-true gives. Fix: method=lora, "
+                             "or base_dtype=null")
+        self.base_dtype, self.base_compute = base_dtype, base_compute
+        self.chosen_compute: str | None = None  # base_compute decided (fp32 / bf16), kept in checkpoints
+        self.compute_reason = ""
+        self.lowered: Any = None
         self.targets: list[str] = []
         self.trainable_names: list[str] = []
         self.counts: tuple[int, int] | None = None
@@ -95,7 +129,12 @@ class PEFTAdapters(Callback):
                                     self.trainable_modules, self.options)
         self.trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.counts = parameter_counts(model)
-        self.base_fingerprint = frozen_fingerprint(model)
+        self.base_fingerprint = frozen_fingerprint(model)  # of the base as loaded: the same with any base_dtype
+        if self.base_dtype is not None:
+            compute = self.base_compute if self.base_compute != "auto" else "fp32"  # auto: decided at fit start
+            self.lowered = lower_frozen_base(model, BASE_DTYPES[self.base_dtype], compute)
+        if getattr(model, "loaded_low_precision", False):  # HFCausalLM(load_dtype=bf16): the rest back to float32
+            upcast_unlowered(model)
         if self.adapters_only_checkpoints and isinstance(model, pl.LightningModule):
             # the checkpoint lacks the frozen base by design; on_load_checkpoint checks what must be there
             model.strict_loading = False
@@ -111,11 +150,51 @@ class PEFTAdapters(Callback):
             raise ValueError("PEFTAdapters(export=True): cannot merge and export under ZeRO stage 3 (each process "
                              "holds a slice of every weight). Fix: peft.export=false, then scripts/consolidate.py "
                              "and lit_speed.finetune.export_merged on the consolidated model; or strategy=zero2")
+        if self.base_dtype is not None:
+            self._check_base_dtype(trainer)
+        if self.export and stage == "fit" and trainer.is_global_zero:  # rank 0 exports: fail now, not after training
+            check_export_dir(self._export_folder(trainer))
         if self.adapters_only_checkpoints and hasattr(trainer.strategy, "exclude_frozen_parameters"):
             trainer.strategy.exclude_frozen_parameters = True  # DeepSpeed writes the module itself: adapters only
 
+    def _check_base_dtype(self, trainer: "pl.Trainer") -> None:
+        """A low-precision base needs float32 module weights around it (adapters in float32) and no ZeRO."""
+        plugin = trainer.precision_plugin
+        mode = str(getattr(plugin, "requested_mode", None) or getattr(plugin, "precision", trainer.precision))
+        if mode == "auto":
+            raise ValueError(f"PEFTAdapters(base_dtype={self.base_dtype}): precision=auto may choose bf16-master, "
+                             "which casts the adapters to bf16 too. Fix: precision=32-true or bf16-mixed (the base's "
+                             "compute is chosen by peft.base_compute=auto), or base_dtype=null")
+        found = precision_spec(mode)
+        if found.weight_dtype != torch.float32:
+            raise ValueError(f"PEFTAdapters(base_dtype={self.base_dtype}): precision={mode} casts the whole module, "
+                             "adapters included, to bf16 (the base is then bf16 already, and adapters not float32). "
+                             "Fix: precision=32-true or bf16-mixed with base_dtype=bf16, or base_dtype=null")
+        if _zero_stage(trainer.strategy) is not None:
+            raise ValueError(f"PEFTAdapters(base_dtype={self.base_dtype}): DeepSpeed ZeRO casts and partitions the "
+                             "module's parameters itself, so a bf16 base under float32 adapters is not kept. Fix: "
+                             "strategy=auto or ddp with base_dtype=bf16, or base_dtype=null under ZeRO")
+
+    def _decide_base_compute(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.chosen_compute is None:  # not restored from a checkpoint
+            mixed = precision_spec(str(trainer.precision)).autocast_dtype
+            if self.base_compute != "auto":
+                self.chosen_compute, self.compute_reason = self.base_compute, "requested"
+            elif mixed is not None:
+                self.chosen_compute, self.compute_reason = "bf16", f"autocast runs the matmuls in {mixed}"
+            else:
+                decision = choose_base_compute(pl_module, trainer.strategy.root_device)
+                if trainer.world_size > 1:  # rank 0 decides for every process
+                    decision = trainer.strategy.broadcast(decision, src=0)
+                self.chosen_compute, self.compute_reason = decision.chosen, decision.reason
+            rank_zero_info(f"PEFTAdapters: frozen base in {self.base_dtype}, computed in {self.chosen_compute} "
+                           f"({self.compute_reason})")
+        set_base_compute(pl_module, self.chosen_compute)
+
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.base_dtype is not None:  # after a resume restored the checkpoint's choice
+            self._decide_base_compute(trainer, pl_module)
         if _zero_stage(trainer.strategy) is not None:
             return  # DeepSpeed's ZeRO optimizer keeps only parameters that require gradients
         # before restore_training_state: a resumed optimizer loads into the same (pruned) groups
@@ -150,7 +229,8 @@ class PEFTAdapters(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"base_fingerprint": self.base_fingerprint, "method": self.method, "targets": len(self.targets),
-                "trainable_tensors": len(self.trainable_names)}
+                "trainable_tensors": len(self.trainable_names), "base_dtype": self.base_dtype,
+                "base_compute": self.chosen_compute}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -159,6 +239,13 @@ class PEFTAdapters(Callback):
             raise ValueError(f"PEFTAdapters: the checkpoint's adapters were trained on other base weights (frozen "
                              f"tensors' fingerprint {saved} there, {self.base_fingerprint} here): resuming would not "
                              "continue the same run. Fix: the init.path / model.pretrained of the run that wrote it")
+        if state_dict.get("base_dtype") != self.base_dtype:
+            raise ValueError(f"PEFTAdapters(base_dtype={self.base_dtype}): the checkpoint's adapters were trained over "
+                             f"a base held in {state_dict.get('base_dtype') or 'its loaded dtype'}: resuming would not "
+                             f"continue the same run. Fix: base_dtype={state_dict.get('base_dtype') or 'null'}")
+        if self.base_dtype is not None and state_dict.get("base_compute"):
+            self.chosen_compute = state_dict["base_compute"]  # the same numerics as before the interruption
+            self.compute_reason = "restored from the checkpoint (not timed again)"
 
     # ---- export -------------------------------------------------------------------------------------------
 
@@ -169,11 +256,16 @@ class PEFTAdapters(Callback):
 
     @rank_zero_only
     def _export(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        out = Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "merged"
+        out = self._export_folder(trainer)
         # the tokenizer goes next to a Hugging Face model: the module's own, else the one the data was tokenized with
         tokenizer = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
-        self.exported = export_merged(pl_module, out, tokenizer)
+        start = time.perf_counter()
+        self.exported = export_merged(pl_module, out, tokenizer, self.export_format)
+        self.export_seconds = round(time.perf_counter() - start, 3)
         rank_zero_info(f"PEFTAdapters: merged model written to {out} ({', '.join(sorted(self.exported))})")
+
+    def _export_folder(self, trainer: "pl.Trainer") -> Path:
+        return Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "merged"
 
     # ---- reports ------------------------------------------------------------------------------------------
 
@@ -183,14 +275,26 @@ class PEFTAdapters(Callback):
         if self.trainable_modules:
             what += f", + trainable {', '.join(map(str, self.trainable_modules))}"
         rows = {"peft": what + (", adapters-only checkpoints" if self.adapters_only_checkpoints else "")}
+        if self.base_dtype is not None:
+            held = (f"{self.lowered.tensors} tensors, {self.lowered.saved_bytes / 2**20:,.1f} MiB saved"
+                    if self.lowered is not None else "lowered when adapters are added")
+            compute = (f"{self.chosen_compute} ({self.compute_reason})" if self.chosen_compute else
+                       f"{self.base_compute}" + (" (decided at fit start)" if self.base_compute == "auto" else ""))
+            rows["frozen base"] = f"held in {self.base_dtype} ({held}); computed in {compute}"
         if self.counts is not None:
             trainable, total = self.counts
             rows["trainable parameters"] = (f"{trainable:,} of {total:,} ({100 * trainable / max(total, 1):.2f}%), "
                                             f"{total - trainable:,} frozen")
         return rows
 
+    def phase_seconds(self) -> dict[str, float]:
+        """``{"export": seconds}`` of the merged export (lit_speed.run_contract.PhaseTimer)."""
+        return {"export": self.export_seconds or 0.0}
+
     def final_summary(self) -> dict[str, Any]:
         trainable, total = self.counts or (0, 0)
         return {"method": self.method, "target_modules": len(self.targets), "trainable_params": trainable,
                 "total_params": total, "base_fingerprint": self.base_fingerprint, "exported": self.exported,
-                "frozen_dropped_from_optimizer": self.dropped_from_optimizer}
+                "export_s": self.export_seconds, "frozen_dropped_from_optimizer": self.dropped_from_optimizer,
+                "base_dtype": self.base_dtype, "base_compute": self.chosen_compute,
+                "base_bytes_saved": self.lowered.saved_bytes if self.lowered is not None else 0}

@@ -171,14 +171,21 @@ def load_weights(model: nn.Module, path: str | Path, strict: bool = True) -> Loa
         raise ValueError(f"{where}: none of the file's {len(saved)} tensors name a tensor of {type(model).__name__} "
                          f"(file keys look like {next(iter(saved), '?')}, the model's like {next(iter(mine), '?')}). "
                          "Fix: weights written by this model")
+    usable = {k: v for k, v in mapped.items() if k in mine}
+    matched = len(mine) - len(missing)  # by name and shape (shapes were checked above), tied partners included
     if strict and (missing or unexpected):
         what = (f"{len(missing)} of {type(model).__name__}'s {len(mine)} tensors are not in the file, the first is "
                 f"{missing[0]}" if missing else
                 f"the file holds {len(unexpected)} tensors {type(model).__name__} lacks, the first is {unexpected[0]}")
-        raise ValueError(f"{where}: {what} (file keys look like {next(iter(saved), '?')}). Fix: weights of this "
-                         "model, or strict=false (init.strict=false) to load the tensors that match and keep the "
-                         "rest as initialised")
-    usable = {k: v for k, v in mapped.items() if k in mine}
+        if 2 * matched > len(mine):  # most of the model is there (a new head, an extra buffer): a partial load helps
+            raise ValueError(f"{where}: {what} (file keys look like {next(iter(saved), '?')}). Fix: weights of this "
+                             f"model, or strict=false (init.strict=false) to load the {matched} tensors that match "
+                             f"and keep the other {len(missing)} as initialised")
+        raise ValueError(f"{where}: only {matched} of {type(model).__name__}'s {len(mine)} tensors match the file's "
+                         f"{len(saved)} by name and shape: it holds another model ({what}; file keys look like "
+                         f"{next(iter(saved), '?')}, the model's like {next(iter(mine), '?')}). Fix: weights written "
+                         "by this model (same architecture and sizes), e.g. its own checkpoint or save_pretrained "
+                         "folder")
     with torch.no_grad():
         for key, value in usable.items():
             mine[key].copy_(value.to(mine[key].dtype))

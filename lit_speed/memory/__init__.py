@@ -1,9 +1,17 @@
-"""Memory toolkit: activation checkpointing/offload, in-place torch.compile, live-tensor accounting, fit planner."""
+"""Memory toolkit: activation checkpointing/offload, in-place torch.compile, the chunked LM loss, live-tensor
+accounting, fit planner.
+
+The chunked loss's function is ``lit_speed.chunked_lm_loss`` (``lit_speed.memory.chunked_cross_entropy``): the name
+``lit_speed.memory.chunked_lm_loss`` is the module of its callback, ``ChunkedLMLoss``."""
 from lit_speed.memory.activation_checkpointing import ActivationCheckpointing, checkpoint_modules, restore_modules
+from lit_speed.memory.chunked_cross_entropy import chunked_loss_bytes
+from lit_speed.memory.chunked_lm_loss import ChunkedLMLoss
+from lit_speed.memory.hf_chunked_loss import chunk_hf_loss, hf_lm_head, unchunk_hf_loss
 from lit_speed.memory.compile_model import CompileModel, compile_modules, uncompile_modules
 from lit_speed.memory.memory_tracker import LiveTensorTracker
 from lit_speed.memory.model_state import model_state_bytes, state_bytes
 from lit_speed.memory.planner import plan
 
-__all__ = ["ActivationCheckpointing", "CompileModel", "LiveTensorTracker", "checkpoint_modules", "compile_modules",
-           "model_state_bytes", "plan", "restore_modules", "state_bytes", "uncompile_modules"]
+__all__ = ["ActivationCheckpointing", "ChunkedLMLoss", "CompileModel", "LiveTensorTracker", "checkpoint_modules",
+           "chunk_hf_loss", "chunked_loss_bytes", "compile_modules", "hf_lm_head", "model_state_bytes",
+           "plan", "restore_modules", "state_bytes", "uncompile_modules", "unchunk_hf_loss"]

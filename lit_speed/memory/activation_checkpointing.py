@@ -1,7 +1,20 @@
 """Activation checkpointing (and activation offload) for chosen submodule types of any LightningModule.
 
 The functional core, :func:`checkpoint_modules` / :func:`restore_modules`, works on any ``nn.Module``; the
-:class:`ActivationCheckpointing` callback only applies it at ``setup`` and undoes it at ``teardown``.
+:class:`ActivationCheckpointing` callback only applies it at ``setup`` and undoes it at ``teardown``. The module
+name ``"decoder-layers"`` finds the model's decoder layers without naming their class
+(:func:`lit_speed.memory.decoder_layers.decoder_layer_types`: a Hugging Face model's ``LlamaDecoderLayer``,
+``Qwen2DecoderLayer``, ``GPT2Block``..., the bundled GPT's ``Block``, under peft's wrappers too).
+
+Why this wraps the layers itself rather than calling Hugging Face's ``activation_checkpointing_enable()``
+(``gradient_checkpointing_enable`` before transformers 5): both run ``torch.utils.checkpoint`` non-reentrant on the
+same layers, but Hugging Face's checkpoints only while the layer is in ``training`` mode (a model from
+``from_pretrained`` is in eval mode and Lightning 2.6 keeps modes: its flag would silently do nothing), leaves a
+forward hook on the input embeddings (``enable_input_require_grads``, which only reentrant checkpointing needs under
+LoRA) and a flag on the model after the run, and exists only for Hugging Face models. This wrapper is the same
+for every model, exact (the same ops in the same order, dropout masks replayed from the saved RNG state), leaves
+``state_dict`` keys unchanged (resume and ZeRO checkpoints move freely between runs with and without it) and is
+undone at teardown.
 """
 from __future__ import annotations
 
@@ -15,6 +28,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
+
+from lit_speed.memory.decoder_layers import DECODER_LAYERS, decoder_layer_types
 
 _ATTR = "_lit_speed_checkpointed"
 
@@ -43,10 +58,13 @@ class _CheckpointedForward:
 
 
 def resolve_module_types(specs: Iterable[str | type], root: nn.Module) -> list[type]:
-    """Turn class names (``"Block"``), dotted import paths or classes into the submodule types of ``root``.
+    """Turn class names (``"Block"``), dotted import paths, classes or ``"decoder-layers"`` (the model's decoder
+    layers, whatever their class: :func:`~lit_speed.memory.decoder_layers.decoder_layer_types`) into the submodule
+    types of ``root``.
 
     Raises:
-        ValueError: A name matches no submodule type of ``root``; the message lists the types it has.
+        ValueError: A name matches no submodule type of ``root`` (the message lists the types it has), or
+            ``"decoder-layers"`` finds no layer stack.
     """
     present = {type(m) for m in root.modules()}
     by_name: dict[str, list[type]] = {}
@@ -56,6 +74,8 @@ def resolve_module_types(specs: Iterable[str | type], root: nn.Module) -> list[t
     for spec in specs:
         if isinstance(spec, type):
             resolved.append(spec)
+        elif spec == DECODER_LAYERS:
+            resolved += decoder_layer_types(root)
         elif "." in spec:
             module_name, _, cls_name = spec.rpartition(".")
             try:
@@ -68,7 +88,8 @@ def resolve_module_types(specs: Iterable[str | type], root: nn.Module) -> list[t
         else:
             names = ", ".join(sorted(by_name))
             raise ValueError(f"modules: no submodule of type {spec!r} in {type(root).__name__}. "
-                             f"Types present: {names}. Pick the repeated block, e.g. modules=[Block]")
+                             f"Types present: {names}. Pick the repeated block, e.g. modules=[Block], or "
+                             f"modules=[{DECODER_LAYERS}] to find it")
     return resolved
 
 
@@ -115,6 +136,14 @@ def restore_modules(root: nn.Module) -> int:
     return restored
 
 
+def activation_checkpointing_on(root: nn.Module) -> bool:
+    """Whether any submodule of ``root`` recomputes its activations in backward: wrapped by
+    :func:`checkpoint_modules`, by torch's ``checkpoint_wrapper``, or a Hugging Face model with gradient
+    checkpointing enabled (``gradient_checkpointing_enable()``)."""
+    return any(getattr(m, _ATTR, False) or type(m).__name__ == "CheckpointWrapper"
+               or getattr(m, "is_gradient_checkpointing", False) is True for m in root.modules())
+
+
 class ActivationCheckpointing(Callback):
     """Recompute the activations of chosen submodules in backward instead of keeping them.
 
@@ -123,7 +152,8 @@ class ActivationCheckpointing(Callback):
     unchanged, so checkpoints move freely between runs with and without it.
 
     Args:
-        modules: Submodule types to wrap: class names (``"Block"``), dotted paths or classes.
+        modules: Submodule types to wrap: class names (``"Block"``), dotted paths, classes, or ``"decoder-layers"``
+            (the default): the model's decoder layers, found at setup (a Hugging Face model's, the bundled GPT's).
         offload: Also keep each wrapped block's input in (pinned) host memory instead of on the GPU.
 
     Raises:
@@ -131,10 +161,11 @@ class ActivationCheckpointing(Callback):
 
     Example::
 
-        trainer = Trainer(callbacks=[ActivationCheckpointing(modules=["Block"])])
+        trainer = Trainer(callbacks=[ActivationCheckpointing()])                  # the decoder layers, any model
+        trainer = Trainer(callbacks=[ActivationCheckpointing(modules=["Block"])])  # a class by name
     """
 
-    def __init__(self, modules: Sequence[str | type] = ("Block",), offload: bool = False) -> None:
+    def __init__(self, modules: Sequence[str | type] = (DECODER_LAYERS,), offload: bool = False) -> None:
         if isinstance(modules, (str, type)):
             modules = [modules]
         modules = list(modules)
@@ -148,8 +179,13 @@ class ActivationCheckpointing(Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self.wrapped = checkpoint_modules(pl_module, self.modules, self.offload)
-        rank_zero_info(f"ActivationCheckpointing: {len(self.wrapped)} submodules wrapped"
+        try:
+            self.wrapped = checkpoint_modules(pl_module, self.modules, self.offload)
+        except ValueError as error:  # named after this class and argument: the runner prefixes the config path
+            shown = [m if isinstance(m, str) else m.__name__ for m in self.modules]
+            raise ValueError(f"ActivationCheckpointing(modules={shown}): {error}") from None
+        classes = sorted({type(pl_module.get_submodule(name)).__name__ for name in self.wrapped})
+        rank_zero_info(f"ActivationCheckpointing: {len(self.wrapped)} submodules wrapped ({', '.join(classes)})"
                        + (" (inputs offloaded to host)" if self.offload else ""))
 
     @override

@@ -62,10 +62,9 @@ class LiveTensorTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self._sweep()
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if _has_storage(t)}
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if not _has_storage(t):
                 continue
             if self.device_type is not None and t.device.type != self.device_type:
                 continue
@@ -77,3 +76,18 @@ class LiveTensorTracker(TorchDispatchMode):
             self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         return out
+
+
+def _has_storage(t: Any) -> bool:
+    """A tensor with memory of its own: not a meta tensor, not a wrapper subclass (e.g. torchao's quantised optimizer
+    states, whose ``codes`` and ``scale`` hold the bytes and are seen as they are made)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return False
+    if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+        return True
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:  # "Attempted to access the data pointer on an invalid python storage"
+        return False
+    return True
+

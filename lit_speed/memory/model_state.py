@@ -2,7 +2,8 @@
 
 Plain arithmetic after the ZeRO paper (Rajbhandari et al., 2020, section 3), from three facts:
 the precision mode's weight dtype and master copy (:func:`lit_speed.precision.modes.spec`), the optimizer's state
-tensors per parameter (:func:`lit_speed.optim.state_cost.state_tensors_per_param`), and who holds the optimizer:
+bytes per parameter (:func:`lit_speed.optim.state_cost.state_bytes_per_param`, asked for the dtype its state is kept
+beside; or a count of whole state tensors), and who holds the optimizer:
 
 * **torch** (no ZeRO): parameters and gradients in the mode's weight dtype; the optimizer keeps its state in the
   weights' dtype, or in float32 next to float32 masters (``bf16-master``);
@@ -16,7 +17,9 @@ The planner (:mod:`lit_speed.memory.planner`) and ``ZeroStrategy``'s start-up ro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+import torch
 
 from lit_speed.precision.modes import BASELINE, spec
 
@@ -59,8 +62,8 @@ class ModelStateBytes:
 
 
 def model_state_bytes(n_params: int, precision: str = BASELINE, optimizer_states: float = 2,
-                      layout: ZeroLayout = NO_ZERO, world_size: int = 1, frozen_params: int = 0
-                      ) -> ModelStateBytes:
+                      layout: ZeroLayout = NO_ZERO, world_size: int = 1, frozen_params: int = 0,
+                      state_bytes: Callable[[torch.dtype], float] | None = None) -> ModelStateBytes:
     """Per-process model-state bytes.
 
     Args:
@@ -72,6 +75,10 @@ def model_state_bytes(n_params: int, precision: str = BASELINE, optimizer_states
         world_size: Processes the model is trained on.
         frozen_params: Parameters that do not train (a frozen base under adapters): they take parameter memory
             (sharded at stage 3) but no gradient and no optimizer state.
+        state_bytes: ``dtype -> bytes of optimizer state per parameter`` when the state is kept beside parameters of
+            that dtype (``functools.partial(lit_speed.state_bytes_per_param, optimizer)``); replaces
+            ``optimizer_states`` x the state dtype's width, for optimizers whose state is not whole tensors (8- and
+            4-bit AdamW: codes, block scales, lookup tables).
 
     Raises:
         ValueError: An unknown precision, a stage outside 0-3, ``world_size < 1`` or a negative count.
@@ -94,20 +101,22 @@ def model_state_bytes(n_params: int, precision: str = BASELINE, optimizer_states
             raise ValueError(f"precision {precision!r} does not run under DeepSpeed")
         low = mode.compute_dtype.itemsize < FLOAT32_BYTES
         width = DEEPSPEED_LOW_BYTES if low else FLOAT32_BYTES
-        master, state = (FLOAT32_BYTES if low else 0), FLOAT32_BYTES
+        master, state_dtype = (FLOAT32_BYTES if low else 0), torch.float32
     else:  # a torch optimizer keeps its state in the weights' dtype, or beside float32 masters
         width = mode.param_bytes
-        master, state = (FLOAT32_BYTES if mode.master_weights else 0), mode.optimizer_dtype.itemsize
+        master, state_dtype = (FLOAT32_BYTES if mode.master_weights else 0), mode.optimizer_dtype
+    per_param = state_bytes(state_dtype) if state_bytes is not None else state_dtype.itemsize * optimizer_states
     p, every = n_params, n_params + frozen_params
     params = width * every // (world_size if stage >= 3 else 1)
     grads = width * p // (world_size if stage >= 2 else 1)
-    optimizer = int((master + state * optimizer_states) * p) // (world_size if stage >= 1 else 1)
+    optimizer = int((master + per_param) * p) // (world_size if stage >= 1 else 1)
     host = (optimizer if offload_optimizer else 0) + (params if offload_parameters and stage == 3 else 0)
     return ModelStateBytes(params, grads, optimizer, host)
 
 
 def state_bytes(n_params: int, precision: str = BASELINE, optimizer_states: float = 2, strategy: str = "auto",
-                world_size: int = 1, frozen_params: int = 0) -> ModelStateBytes:
+                world_size: int = 1, frozen_params: int = 0,
+                optimizer_state_bytes: Callable[[torch.dtype], float] | None = None) -> ModelStateBytes:
     """:func:`model_state_bytes` for a ``conf/strategy`` option (``auto``, ``ddp``, ``zero1`` ... ``zero3_offload``).
 
     Raises:
@@ -115,4 +124,5 @@ def state_bytes(n_params: int, precision: str = BASELINE, optimizer_states: floa
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
-    return model_state_bytes(n_params, precision, optimizer_states, STRATEGIES[strategy], world_size, frozen_params)
+    return model_state_bytes(n_params, precision, optimizer_states, STRATEGIES[strategy], world_size, frozen_params,
+                             optimizer_state_bytes)

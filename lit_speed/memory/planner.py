@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import shlex
 import time
 import warnings
@@ -26,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-import lit_speed  # the public names: the optimizer's declared state (lit_speed.state_tensors_per_param)
+import lit_speed  # the public names: the optimizer's declared state (lit_speed.state_bytes_per_param)
 from lit_speed.compat.torch import tree_map
 from lit_speed.memory.activation_checkpointing import checkpoint_modules, restore_modules
 from lit_speed.memory.memory_tracker import LiveTensorTracker, tensor_bytes
@@ -184,16 +185,16 @@ class OptimizerProbe(NamedTuple):
     """One optimizer step measured on copies of the parameters."""
 
     step_bytes: int  # temporaries of one step, on top of parameters, gradients and state
-    states: float    # state tensors per parameter
+    state_bytes: Callable[[torch.dtype], float]  # bytes of state per parameter held in a dtype
     name: str        # the optimizer's class
     source: str      # "declared" (asked) or "counted after one step"
 
 
 def measure_optimizer(model: nn.Module, optimizer_factory: Callable[..., torch.optim.Optimizer]) -> OptimizerProbe:
     """Build the optimizer on copies of the trainable parameters (named, for optimizers that split by name) and step
-    it: the temporary bytes one step allocates on top of parameters, gradients and state, the state tensors it keeps
-    per parameter (its own declaration, :func:`lit_speed.state_tensors_per_param`, else counted after the step), and
-    where that number came from."""
+    it: the temporary bytes one step allocates on top of parameters, gradients and state, the bytes of state it keeps
+    per parameter for a parameter dtype (its own declaration, :func:`lit_speed.state_bytes_per_param`, else whole
+    tensors counted after the step), and where that came from."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     copies = [p.detach().clone().requires_grad_(True) for _, p in named]
     for c in copies:
@@ -202,16 +203,21 @@ def measure_optimizer(model: nn.Module, optimizer_factory: Callable[..., torch.o
     optimizer = optimizer_factory([{"params": copies, "param_names": [n for n, _ in named]}] if wants_names
                                   else copies)
     optimizer.step()  # creates the state outside the tracker
-    with LiveTensorTracker() as tracker:
-        optimizer.step()
+    declared_temporaries = getattr(optimizer, "step_temporary_bytes", None)
+    if callable(declared_temporaries):  # a step torch.compile builds cannot run under the tracker's dispatch mode
+        step_bytes, how = int(declared_temporaries()), "; step temporaries declared, not traced"
+    else:
+        with LiveTensorTracker() as tracker:
+            optimizer.step()
+        step_bytes, how = tracker.peak_bytes, ""
     name = type(optimizer).__name__
-    declared = lit_speed.state_tensors_per_param(optimizer)
-    if declared is not None:
-        return OptimizerProbe(tracker.peak_bytes, declared, name, "declared")
+    if lit_speed.state_bytes_per_param(optimizer) is not None:
+        return OptimizerProbe(step_bytes, functools.partial(lit_speed.state_bytes_per_param, optimizer), name,
+                              "declared" + how)
     counted = sum(t.numel() for state in optimizer.state.values() for t in state.values()
                   if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return OptimizerProbe(tracker.peak_bytes, counted / max(sum(c.numel() for c in copies), 1), name,
-                          "counted after one step")
+    tensors = counted / max(sum(c.numel() for c in copies), 1)
+    return OptimizerProbe(step_bytes, lambda dtype: tensors * dtype.itemsize, name, "counted after one step" + how)
 
 
 def _overrides(precision: str, checkpointing: bool, micro_batch: int, strategy: str, world_size: int,
@@ -278,7 +284,7 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
     n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # a frozen base under adapters
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, foreach=True))
     measured = measure_optimizer(model, factory)
-    step_temp, states = measured.step_bytes, measured.states
+    step_temp = measured.step_bytes
     ckpt_choices = (False, True) if checkpoint_modules else (False,)
     probes = {(p, c): probe(model, batch, p, checkpoint_modules if c else (), probe_batches, step_fn)
               for p in precisions for c in ckpt_choices}
@@ -287,7 +293,8 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
         for mb in micro_batches:
             for strategy in strategies:
                 layout = STRATEGIES[strategy]
-                st = model_state_bytes(n_params, precision, states, layout, world_size, n_frozen)
+                st = model_state_bytes(n_params, precision, layout=layout, world_size=world_size,
+                                       frozen_params=n_frozen, state_bytes=measured.state_bytes)
                 width = spec(precision).param_bytes
                 # the probe's activations include full gradients; ZeRO-2/3 keep only their partition
                 act = pr.activation_bytes(mb) - width * n_params + st.grads
@@ -312,7 +319,8 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
              f"{next(model.parameters()).device.type}",
              "peak = most tensor bytes alive in one training step (like torch.cuda.max_memory_allocated)",
              "speed is measured for precision x checkpointing x micro-batch; ZeRO/multi-process factors are assumed",
-             f"optimizer: {measured.name} keeps {states:.2f} state tensors per parameter ({measured.source})"]
+             f"optimizer: {measured.name} keeps {measured.state_bytes(torch.float32):.2f} bytes of state per float32 "
+             f"parameter ({measured.source})"]
     if next(model.parameters()).device.type == "cpu":
         notes.append("measured on CPU: activation bytes carry over to a GPU for the same dtypes, speeds do not "
                      "(re-run the planner there)")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_speed.models.next_token import NextTokenSteps
+from lit_speed.run_contract import TokenLimits
 
 
 class CausalSelfAttention(nn.Module):
@@ -83,7 +84,8 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (after ``ln_f``): what the LM head turns into logits."""
         t = idx.size(1)
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds the model's block_size {self.block_size}")
@@ -91,7 +93,10 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.ln_f(x)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden(idx))
 
 
 class GPTModule(NextTokenSteps, pl.LightningModule):
@@ -108,6 +113,8 @@ class GPTModule(NextTokenSteps, pl.LightningModule):
         optimizer: Factory ``params -> Optimizer`` (a Hydra ``_partial_``).
         scheduler: Optional factory ``(optimizer, total_steps) -> LRScheduler``.
         weight_decay: Weight decay on matrices and embeddings only.
+        loss_chunk_mib: Run the LM head and the loss in chunks of at most this many MiB of logits
+            (``lit_speed.chunked_lm_loss``); ``None``: the plain loss. ``lit_speed.ChunkedLMLoss`` sets it too.
     """
 
     accepted_batch_kinds = ("tokens->next-token",)  # lit_speed.run_contract.BatchConsumer
@@ -115,7 +122,8 @@ class GPTModule(NextTokenSteps, pl.LightningModule):
     def __init__(self, vocab_size: int = 97, block_size: int = 64, n_layer: int = 4, n_head: int = 4,
                  n_embd: int = 128, dropout: float = 0.0, bias: bool = False,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
-                 scheduler: Callable[..., Any] | None = None, weight_decay: float = 0.1) -> None:
+                 scheduler: Callable[..., Any] | None = None, weight_decay: float = 0.1,
+                 loss_chunk_mib: float | None = None) -> None:
         super().__init__()
         if min(n_layer, n_head, n_embd, block_size) < 1:
             sizes = {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": block_size}
@@ -127,6 +135,18 @@ class GPTModule(NextTokenSteps, pl.LightningModule):
         self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
+        if loss_chunk_mib is not None:
+            self.use_chunked_loss(int(float(loss_chunk_mib) * 2**20))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
+
+    def head_inputs(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+        head = self.model.lm_head
+        return self.model.hidden(idx), head.weight, head.bias, {}
+
+    @classmethod
+    def input_limits(cls, config: Mapping[str, Any]) -> TokenLimits:
+        """Embedding rows and learned positions from the constructor arguments (``lit_speed.run_contract.TokenModel``)."""
+        vocab, block = int(config.get("vocab_size", 97)), int(config.get("block_size", 64))
+        return TokenLimits(vocab, block, f"vocab_size={vocab}", "learned", "GPT", f"block_size={block}")

@@ -10,12 +10,18 @@ Needs the ``finetune`` extra (``pip install -e ".[finetune]"``: transformers, pe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
 import torch
 
+import lit_speed  # the public names: hf_lm_head (lit_speed.memory)
 from lit_speed.models.next_token import NextTokenSteps
+from lit_speed.run_contract import TokenLimits
+
+# config keys of computed (rotary) positions, and model types with a learned table of max_position_embeddings rows
+ROTARY_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_pct", "rotary_dim")
+LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode", "biogpt")
 
 
 def _needs_transformers(owner: str) -> Any:
@@ -25,6 +31,24 @@ def _needs_transformers(owner: str) -> Any:
         raise ValueError(f"{owner}: needs the transformers package. Fix: pip install -e \".[finetune]\" "
                          "(or bash scripts/run.sh setup)") from None
     return transformers
+
+
+def _load_dtype(pretrained: str, load_dtype: str | None, owner: str) -> torch.dtype:
+    """float32, or bf16 when asked (``load_dtype=bf16``, set by ``peft.base_dtype=bf16``) and the folder's weights are
+    bf16: read as they are stored, nothing is rounded."""
+    if load_dtype in (None, "float32", "fp32"):
+        return torch.float32
+    if load_dtype not in ("bf16", "bfloat16"):
+        raise ValueError(f"{owner}: load_dtype={load_dtype!r} is not one of float32, bf16. Fix: model.load_dtype=null "
+                         "(float32), or peft.base_dtype=bf16 (which reads a bf16 folder in bf16)")
+    config = Path(pretrained).expanduser() / "config.json"
+    if not config.is_file():
+        return torch.float32
+    import json
+
+    fields = json.loads(config.read_text())
+    stored = fields.get("dtype") or fields.get("torch_dtype")
+    return torch.bfloat16 if stored == "bfloat16" else torch.float32
 
 
 class HFCausalLM(NextTokenSteps, pl.LightningModule):
@@ -37,6 +61,9 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
         scheduler: Optional factory ``(optimizer, total_steps) -> LRScheduler``.
         weight_decay: On matrices and embeddings only (0 is usual for fine-tuning).
         attn_implementation: ``sdpa`` (default), ``eager``, or what ``transformers`` offers for the model.
+        loss_chunk_mib: Run the LM head and the loss in chunks of at most this many MiB of logits (the decoder's
+            hidden states go to ``lit_speed.chunked_lm_loss``; ``lm_head`` never sees all tokens); ``None``: the
+            plain loss. ``lit_speed.ChunkedLMLoss`` sets it too.
 
     Raises:
         ValueError: ``pretrained`` is neither a model folder nor a hub id that can be fetched.
@@ -51,7 +78,8 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
     def __init__(self, pretrained: str, from_config: bool = False,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None, weight_decay: float = 0.0,
-                 attn_implementation: str | None = "sdpa") -> None:
+                 attn_implementation: str | None = "sdpa", loss_chunk_mib: float | None = None,
+                 load_dtype: str | None = None) -> None:
         super().__init__()
         owner = f"HFCausalLM(pretrained={pretrained})"
         transformers = _needs_transformers(owner)
@@ -60,16 +88,68 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
         try:
             if from_config:
                 config = transformers.AutoConfig.from_pretrained(pretrained)
-                self.model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+                # float32 as from_pretrained below: from_config builds in the config's dtype (bf16 for most released
+                # models), whose matmuls are 50-500x slower on CPUs without bf16 kernels
+                self.model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
             else:  # float32 weights: the precision plugin decides the compute dtype
-                self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32, **kwargs)
+                dtype = _load_dtype(pretrained, load_dtype, owner)
+                self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=dtype, **kwargs)
+                # read in bf16 for a bf16 frozen base (no float32 copy of the whole model while loading): PEFTAdapters
+                # lowers the frozen weights and casts the rest back to float32 (setup() does, without adapters)
+                self.loaded_low_precision = dtype != torch.float32
         except (OSError, ValueError) as error:
             where = "a folder without a model" if Path(pretrained).expanduser().is_dir() else \
                 "not a local folder, and not fetched from the hub (offline, or no such id)"
             raise ValueError(f"{owner}: {where} ({' '.join(str(error).split())[:200]}). Fix: model.pretrained=<a "
                              "save_pretrained folder>, or a hub id with network access") from None
+        # from_pretrained hands the model back in eval mode and Lightning keeps module modes (it only restores them
+        # around validation): without this the model would train with its dropout silently off
+        self.model.train()
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
+        self._lm_head: Any = None  # lit_speed.hf_lm_head(self.model), found when the chunked loss is switched on
+        if loss_chunk_mib is not None:
+            self.use_chunked_loss(int(float(loss_chunk_mib) * 2**20))
+
+    def setup(self, stage: str) -> None:
+        # after the callbacks' setup (PEFTAdapters lowers the frozen base there): whatever is still bf16 from a
+        # bf16 read becomes float32, as from_pretrained(dtype=float32) would have made it
+        if getattr(self, "loaded_low_precision", False):
+            lit_speed.upcast_unlowered(self)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx, use_cache=False).logits
+
+    def use_chunked_loss(self, chunk_bytes: int | None) -> None:
+        if chunk_bytes is not None and self._lm_head is None:  # checked on a probe: refused if logits are more
+            self._lm_head = lit_speed.hf_lm_head(self.model, owner=f"{type(self).__name__}(loss_chunk_mib=...)")
+        super().use_chunked_loss(chunk_bytes)
+
+    def head_inputs(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+        spec = self._lm_head
+        if spec is None or spec.head is not self.model.get_output_embeddings():  # e.g. adapters put on the head
+            spec = self._lm_head = lit_speed.hf_lm_head(self.model, owner=f"{type(self).__name__}(loss_chunk_mib=...)")
+        hidden = spec.decoder(input_ids=idx, use_cache=False)[0]
+        return hidden, spec.head.weight, spec.head.bias, spec.loss_options()
+
+    @classmethod
+    def input_limits(cls, config: Mapping[str, Any]) -> TokenLimits | None:
+        """Embedding rows and positions read from ``config.json`` alone, before any weight loads
+        (``lit_speed.run_contract.TokenModel``); ``None`` when the config cannot be read (building the model says why).
+        """
+        pretrained = config.get("pretrained")
+        try:
+            import transformers
+
+            hf = transformers.AutoConfig.from_pretrained(pretrained)
+        except Exception:  # noqa: BLE001 - no transformers, an offline hub id, no folder: the model's build names it
+            return None
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        vocab, positions = getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None)
+        if not isinstance(vocab, int):
+            return None
+        rotary = any(getattr(text, key, None) is not None for key in ROTARY_KEYS)
+        kind = "rotary" if rotary else "learned" if getattr(text, "model_type", "") in LEARNED_POSITIONS else ""
+        name = (getattr(hf, "architectures", None) or [type(hf).__name__.removesuffix("Config")])[0]
+        return TokenLimits(vocab, positions if isinstance(positions, int) else None, f"pretrained={pretrained}", kind,
+                           name)

@@ -18,6 +18,7 @@ from lit_speed.monitoring.flops import FlopCount, contains_compiled, gpu_peak_fl
 from lit_speed.monitoring.samplers import HostStats, NvmlSampler, batch_size_and_tokens, summarize_gpu_samples
 from lit_speed.monitoring.step_timer import StepTimer, TimeSplit
 from lit_speed.precision.modes import compute_dtype
+from lit_speed.compat.torch import cpu_has_native_bf16
 from lit_speed.tables import print_table
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class DeviceStatsLogger(Callback):
         self._peak_resolved = False
         self._warmup = True
         self._last_step = 0
+        self._checkpointing: bool | None = None
         self._samples = self._tokens = 0
         self._min_available: float | None = None
         self._memory_peak = 0.0  # max over ranks
@@ -169,10 +171,21 @@ class DeviceStatsLogger(Callback):
         elif device.type == "cpu":
             self._peak = measure_cpu_peak_flops(dtype)
             self._peak_source = f"{dtype} matmul probe, {torch.get_num_threads()} threads"
+            if dtype != torch.float32 and not cpu_has_native_bf16():
+                # no bf16/fp16 matmul units: the kernels convert and multiply in float32 (small shapes at float32
+                # speed, large ones far slower), so the hardware's peak is the float32 one when that is higher
+                fp32 = measure_cpu_peak_flops(torch.float32)
+                if fp32 > self._peak:
+                    self._peak = fp32
+                    self._peak_source = (f"torch.float32 matmul probe, {torch.get_num_threads()} threads (this CPU "
+                                         f"has no {dtype} matmul units; its float32 peak is higher)")
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        from lit_speed import activation_checkpointing_on
+
         self._last_step = trainer.global_step
+        self._checkpointing = activation_checkpointing_on(pl_module)  # applied at setup, before this hook
         if self._gpu is not None:
             self._gpu.start()
 
@@ -288,7 +301,8 @@ class DeviceStatsLogger(Callback):
             gpu_util_pct=sum(self._gpu_util) / len(self._gpu_util) if self._gpu_util else None,
             memory_peak_bytes=self._memory_peak or None, memory_capacity_bytes=capacity,
             samples_per_sec=self._total_samples / total if total else None,
-            tokens_per_sec=self._total_tokens / total if total and self._total_tokens else None)
+            tokens_per_sec=self._total_tokens / total if total and self._total_tokens else None,
+            activation_checkpointing=self._checkpointing)
         self.result = diagnose(stats)
         per_rank = [self._own_memory_peak]
         if trainer.world_size > 1:

@@ -43,6 +43,8 @@ class RunStats:
         memory_capacity_bytes: What that peak could have grown to (GPU total, or RSS + available RAM).
         samples_per_sec: Training samples per second.
         tokens_per_sec: Training tokens per second (None when batches are not token arrays).
+        activation_checkpointing: Whether the run recomputes activations (None: unknown); the memory advice
+            suggests turning it off only when it is on, and on only when it is off.
     """
 
     data_wait_s: float
@@ -57,6 +59,7 @@ class RunStats:
     memory_capacity_bytes: float | None = None
     samples_per_sec: float | None = None
     tokens_per_sec: float | None = None
+    activation_checkpointing: bool | None = None
 
 
 def _pct(frac: float) -> str:
@@ -115,15 +118,18 @@ def _memory_finding(stats: RunStats) -> dict[str, Any] | None:
     where = "GPU" if stats.device == "cuda" else "host"
     headroom = max(0.0, 1.0 - stats.memory_peak_bytes / stats.memory_capacity_bytes)
     evidence = f"{_gib(stats.memory_peak_bytes)} peak of {_gib(stats.memory_capacity_bytes)} {where} memory"
-    if headroom >= HEADROOM_GROW_FRAC:
+    if headroom >= HEADROOM_GROW_FRAC:  # advice only about what is on: turning off what is off helps nobody
+        off = (", or turn off activation checkpointing (it is on: it recomputes activations in backward)"
+               if stats.activation_checkpointing else "")
         return {"kind": "memory-headroom", "score": headroom,
                 "message": f"memory headroom {_pct(headroom)} ({evidence}) - micro-batch can grow",
-                "next_step": "grow data.batch_size (scale the LR with it), or turn off activation checkpointing"}
+                "next_step": f"grow data.batch_size (scale the LR with it){off}"}
     if headroom < HEADROOM_TIGHT_FRAC:
+        on = "" if stats.activation_checkpointing else "activation checkpointing, "
         return {"kind": "memory-tight", "score": 1.0 - headroom,
                 "message": f"memory-tight: {_pct(headroom)} headroom ({evidence})",
-                "next_step": "activation checkpointing, ZeRO-3 or offload, or a smaller micro-batch with "
-                             "gradient accumulation keeping the effective batch"}
+                "next_step": f"{on}ZeRO-3 or offload, or a smaller micro-batch with gradient accumulation keeping "
+                             "the effective batch"}
     return {"kind": "memory-ok", "score": headroom,
             "message": f"memory headroom {_pct(headroom)} ({evidence})", "next_step": ""}
 

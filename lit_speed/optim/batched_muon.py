@@ -19,6 +19,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Muon
 
+from lit_speed.optim.state_cost import whole_tensor_bytes
+
 #: ``ns_dtype`` values: a dtype name, or ``"auto"`` (timed on this machine).
 NS_DTYPE_CHOICES = ("bfloat16", "float32", "auto")
 
@@ -83,9 +85,9 @@ class BatchedMuon(Muon):
             group.setdefault("ns_dtype", ns_dtype)
         self.ns_decision: Any = None  # the Decision of ns_dtype="auto", once made in this process
 
-    def state_tensors_per_param(self) -> float:
-        """One momentum buffer per matrix element (``momentum_buffer``, as torch's Muon)."""
-        return 1.0
+    def state_bytes_per_param(self, dtype: torch.dtype | None = None) -> float:
+        """One momentum buffer like each matrix (``momentum_buffer``, as torch's Muon)."""
+        return whole_tensor_bytes([(self.param_groups, 1)], dtype)
 
     def resolve_ns_dtype(self) -> None:
         """Decide ``ns_dtype="auto"`` now (see the class docstring); nothing when every group has a dtype."""

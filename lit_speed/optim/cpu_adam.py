@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+from lit_speed.optim.state_cost import whole_tensor_bytes
+
 
 class CPUAdam(DeepSpeedCPUAdam):
     """:class:`deepspeed.ops.adam.DeepSpeedCPUAdam` that only frees its C++ state from the object that created it.
@@ -37,9 +39,12 @@ class CPUAdam(DeepSpeedCPUAdam):
         super().__init__(*args, **kwargs)
         self._owner_id = id(self)
 
-    def state_tensors_per_param(self) -> float:
-        """Adam's two moments per parameter (``exp_avg``, ``exp_avg_sq``), in float32 on the CPU."""
-        return 2.0
+    def state_bytes_per_param(self, dtype: torch.dtype | None = None) -> float:
+        """Adam's two moments per parameter (``exp_avg``, ``exp_avg_sq``), in float32 whatever the parameters' dtype
+        (DeepSpeed's default ``fp32_optimizer_states=True``), else like the parameters."""
+        if self.fp32_optimizer_states:
+            return 2.0 * torch.float32.itemsize
+        return whole_tensor_bytes([(self.param_groups, 2)], dtype)
 
     def __del__(self) -> None:
         if self.__dict__.get("_owner_id") == id(self):

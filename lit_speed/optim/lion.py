@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from lit_speed.optim.state_cost import whole_tensor_bytes
+
 
 class Lion(torch.optim.Optimizer):
     """Lion optimizer: sign of an interpolated momentum; half of AdamW's optimizer-state memory.
@@ -42,9 +44,9 @@ class Lion(torch.optim.Optimizer):
             raise ValueError(f"Lion(weight_decay={weight_decay}): weight_decay must be >= 0, got {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
 
-    def state_tensors_per_param(self) -> float:
-        """One momentum tensor per parameter (``exp_avg``): half of AdamW's optimizer memory."""
-        return 1.0
+    def state_bytes_per_param(self, dtype: torch.dtype | None = None) -> float:
+        """One momentum tensor like each parameter (``exp_avg``): half of AdamW's optimizer memory."""
+        return whole_tensor_bytes([(self.param_groups, 1)], dtype)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

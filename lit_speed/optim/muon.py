@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import AdamW, Optimizer
 
 from lit_speed.optim.batched_muon import NS_DTYPE_CHOICES, BatchedMuon
-from lit_speed.optim.state_cost import per_element
+from lit_speed.optim.state_cost import whole_tensor_bytes
 from lit_speed.tuning.optimizer_kernels import ADAMW_KERNELS, adamw_flags, choose_adamw_kernel, on_rank_zero
 
 #: Parameter names (substrings) that always go to AdamW: embeddings and the output head.
@@ -60,10 +60,11 @@ class MuonAdamW(Optimizer):
 
     wants_param_names = True
 
-    def state_tensors_per_param(self) -> float:
-        """One momentum buffer per Muon matrix element, two AdamW moments per other element (the
-        :class:`~lit_speed.interfaces.OptimizerStateCost` the memory planner asks)."""
-        return per_element([(self.muon.param_groups, 1), (self.adamw.param_groups if self.adamw else [], 2)])
+    def state_bytes_per_param(self, dtype: torch.dtype | None = None) -> float:
+        """One momentum buffer per Muon matrix element, two AdamW moments per other element, each like its
+        parameter (the :class:`~lit_speed.interfaces.OptimizerStateCost` the memory planner asks)."""
+        return whole_tensor_bytes([(self.muon.param_groups, 1), (self.adamw.param_groups if self.adamw else [], 2)],
+                                  dtype)
 
     def __init__(self, params: Iterable[Any], lr: float = 0.02, adamw_lr: float = 3e-3, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = None,

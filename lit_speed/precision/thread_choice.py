@@ -15,18 +15,26 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_speed.data.pipeline import available_cores  # a shared module: the one home of this fact
+
 
 class ThreadChoice:
-    """``threads``: ``None`` (torch's count), an int >= 1, or ``"auto"``.
+    """``threads``: ``None`` (torch's count), an int from 1 to the cores this process may run on, or ``"auto"``.
 
     Raises:
-        ValueError: Any other value, naming the setting.
+        ValueError: Any other value, naming the setting (and the cores, for a count above them).
     """
 
     def __init__(self, threads: int | str | None) -> None:
         if not (threads is None or threads == "auto" or (isinstance(threads, int) and threads >= 1)):
             raise ValueError(f"GuardedPrecision(threads={threads!r}): threads must be an int >= 1, 'auto' or None "
                              f"(torch's count), got {threads!r}")
+        cores = available_cores()
+        if isinstance(threads, int) and threads > cores:
+            raise ValueError(f"GuardedPrecision(threads={threads}): more than the {cores} CPU core(s) this process may "
+                             "run on (os.sched_getaffinity); threads beyond the cores wait for each other and slow "
+                             f"every step. Fix: threads={cores} (or fewer), threads=auto (timed on your step), or "
+                             "None (torch's count)")
         self.requested = threads
         self.chosen: int | None = threads if isinstance(threads, int) else None
         self.reason = "requested" if self.chosen is not None else "torch's default"

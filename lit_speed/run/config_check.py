@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
+import yaml
 from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -59,6 +60,10 @@ def _explain(override: str, cfg_without: DictConfig | None, folders: Sequence[Pa
                 f"{own}.{hint}")
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg_without, parent_key) if (cfg_without is not None and parent_key) else cfg_without
+    if parent is None and parent_key and cfg_without is not None:  # validation_budget.max_fraction: a nested key
+        home = _nested_home(key, value, cfg_without, folders)
+        if home:
+            return home
     if isinstance(parent, DictConfig):
         keys = [str(k) for k in parent.keys() if k != "hydra"]
         leaf_choices = _choices(leaf, folders)[0] if parent_key else []
@@ -77,6 +82,44 @@ def _explain(override: str, cfg_without: DictConfig | None, folders: Sequence[Pa
             where = f"'{parent_key}'" if parent_key else "the top level"
             return (f"{key}={value}: no key {leaf!r} in {where}.{hint} Valid keys: {', '.join(keys)}. "
                     f"To add a new key on purpose, write +{key}={value}.")
+    return ""
+
+
+def _nested_home(key: str, value: str, cfg: DictConfig, folders: Sequence[Path]) -> str:
+    """Where a key given from the top level lives: under a group (``callbacks.validation_budget.max_fraction``), in
+    the composed config or in an option file of that name; ``""`` when nowhere."""
+    first, _, rest = key.partition(".")
+    found: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        for child_key, child in node.items_ex(resolve=False):
+            where = f"{path}.{child_key}" if path else str(child_key)
+            if where == "hydra" or not isinstance(child, DictConfig):
+                continue
+            if child_key == first and path and OmegaConf.select(child, rest) is not None:
+                found.append(f"{where}.{rest}")
+            walk(child, where)
+
+    walk(cfg, "")
+    if found:
+        return (f"{key}={value}: no key {first!r} at the top level; it is {' and '.join(found)}. "
+                f"Fix: {found[0]}={value}")
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices") or {}
+    for folder in folders:
+        for path in sorted(folder.glob(f"*/{first}.yaml")):
+            group = path.parent.name
+            try:
+                node = OmegaConf.load(path)
+            except Exception:  # noqa: BLE001 - an unreadable option file: not a home to suggest
+                continue
+            current = choices.get(group)
+            if OmegaConf.select(node, key) is not None:  # a callbacks-style file that nests under its own name
+                chosen = f"[{current},{first}]" if current else f"[<your {group} list>,{first}]"
+                return (f"{key}={value}: no key {first!r} at the top level; it is {group}.{key}, which the {group} "
+                        f"option {first} adds. Fix: '{group}={chosen}' {group}.{key}={value}")
+            if OmegaConf.select(node, rest) is not None:  # lora.r=4: an option of the peft group
+                return (f"{key}={value}: no key {first!r} at the top level; {first} is an option of the {group} "
+                        f"group. Fix: {group}={first} {group}.{rest}={value}")
     return ""
 
 
@@ -220,6 +263,8 @@ def _compose_checked(config_name: str, overrides: list[str], firsts: list[str], 
 
     try:
         cfg = composed(firsts)
+    except yaml.YAMLError as error:  # a config file of the search path (the user's own, usually) does not parse
+        raise ConfigError(_invalid_yaml(error, firsts)) from None
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         original = str(error).strip()
     else:
@@ -243,8 +288,29 @@ def _compose_checked(config_name: str, overrides: list[str], firsts: list[str], 
         if rest == firsts[:i] and _composes(composed, firsts[:i + 1]):
             continue
         message = _explain(firsts[i], cfg_without, config_folders(cfg_without))
-        raise ConfigError(message or f"{overrides[i]}: {original}") from None
+        raise ConfigError(message or f"{overrides[i]}: {' '.join(original.split())}") from None
     raise ConfigError(original) from None
+
+
+def _invalid_yaml(error: yaml.YAMLError, overrides: Sequence[str]) -> str:
+    """One line for a config file that is not YAML: the option that selects it, the file, the line, and the fix."""
+    mark = getattr(error, "problem_mark", None)
+    problem = " ".join(str(getattr(error, "problem", None) or error).split())
+    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and start is not None and mark is not None and start.line != mark.line:  # an unclosed [ or {
+        where += f"; {context} from line {start.line + 1}"
+    path = Path(mark.name) if mark is not None and mark.name and not mark.name.startswith("<") else None
+    chosen = None
+    if path is not None:  # <folder>/<group>/<option>.yaml is selected by group=option
+        for override in overrides:
+            key, _, value = override.lstrip("+~").partition("=")
+            if path.stem == value and path.parent.name == key.rsplit("/", 1)[-1]:
+                chosen = override
+    where_file = str(path) if path is not None else "a config file"
+    return (f"{chosen + ': ' if chosen else ''}{where_file} is not valid YAML ({problem}{where}). Fix: correct that "
+            "line of the file (YAML: `key: value` per line, lists [a, b], nesting by indentation; quote values that "
+            "hold ': ' or ' #')")
 
 
 def _composes(composed: Any, overrides: list[str]) -> bool:

@@ -1,6 +1,7 @@
 """Refuse a composed config that cannot train, before anything is built: each refusal names the setting and the fix.
 
 :func:`check_config` reads only the config (cheap: it runs before the model, the data or the Trainer exist).
+:func:`check_tokens_fit_model` runs once the DataModule is built, before the model (and its weights) is.
 :func:`check_activation_memory` and :func:`check_checkpoint_matches` need the built model and run before
 ``fit``; :class:`~lit_speed.run.run_plan_check.RunPlanCheck` checks what only the Trainer knows (batches per epoch).
 """
@@ -298,12 +299,18 @@ def check_checkpoint_matches(ckpt_path: Any, model: torch.nn.Module, optimizer_f
     keys = _param_group_keys(optimizer_factory)
     if keys is None:
         return
-    needed = keys - {"initial_lr", "foreach", "fused", "differentiable", "capturable", "maximize", "decoupled_weight_decay"}
+    optional = {"initial_lr", "foreach", "fused", "differentiable", "capturable", "maximize", "decoupled_weight_decay"}
+    needed = keys - optional
     saved_keys = set().union(*(set(g) for g in states[0]["param_groups"]))
+    fix = "Fix: the optimizer= of the run that wrote it, or ckpt_path=null to start fresh"
     if needed - saved_keys:
         raise ConfigError(f"ckpt_path={ckpt_path}: written with another optimizer (its state lacks "
-                          f"{', '.join(sorted(needed - saved_keys))}). Fix: the optimizer= of the run that wrote it, "
-                          "or ckpt_path=null to start fresh")
+                          f"{', '.join(sorted(needed - saved_keys))}). {fix}")
+    # a key that marks whose state it is (the low-bit AdamWs' state_bits): another optimizer would misread the state
+    marks = {"state_bits"} & (saved_keys - keys)
+    if marks:
+        raise ConfigError(f"ckpt_path={ckpt_path}: written with another optimizer (its state carries "
+                          f"{', '.join(sorted(marks))}, which this optimizer does not keep). {fix}")
 
 
 def check_activation_memory(cfg: DictConfig, available_bytes: int | None = None,
@@ -339,3 +346,60 @@ def check_activation_memory(cfg: DictConfig, available_bytes: int | None = None,
         raise ConfigError(f"data.block_size={block} x data.batch_size={batch}: activations need about "
                           f"{estimate / 2**30:,.1f} GiB (planner estimate), {available_bytes / 2**30:,.1f} GiB is "
                           "free. Fix: a smaller data.block_size or data.batch_size (see lit_speed.memory.planner)")
+
+
+def _with_path(source: str, where: str) -> str:
+    """``"a=1"`` -> ``"data.a=1"`` (``""`` stays ``""``)."""
+    return f"{where}.{source}" if source else ""
+
+
+def check_tokens_fit_model(datamodule: Any, model_cfg: DictConfig) -> None:
+    """Refuse token ids the model's embedding lacks and windows longer than its positions, before its weights load.
+
+    The DataModule says its vocabulary and window (:class:`~lit_speed.run_contract.TokenSource`, which loads and
+    checks its tokenizer now), the model's class its embedding rows and positions from its config alone
+    (:class:`~lit_speed.run_contract.TokenModel`: ``config.json`` for a Hugging Face folder). Either side that says
+    nothing is not checked.
+
+    Raises:
+        ConfigError: Naming both settings, both sizes and the fix.
+    """
+    from lit_speed.run.config_targets import import_target
+    from lit_speed.run_contract import TokenSource
+
+    target = model_cfg.get("_target_") if isinstance(model_cfg, DictConfig) else None
+    if not isinstance(datamodule, TokenSource) or not isinstance(target, str):
+        return
+    input_limits = getattr(import_target(target, "model"), "input_limits", None)  # a TokenModel's classmethod
+    if not callable(input_limits):
+        return
+    limits = input_limits(OmegaConf.to_container(model_cfg, resolve=True))
+    if limits is None:
+        return
+    data, model_source = datamodule.token_limits(), _with_path(limits.source, "model")
+    if data.vocab_size > limits.vocab_size:
+        data_source = _with_path(data.source, "data")
+        outside = (f"the embedding of {limits.name} has {limits.vocab_size:,} rows ({model_source}): ids "
+                   f"{limits.vocab_size:,} to {data.vocab_size - 1:,} would index outside it (an IndexError at the "
+                   "first batch)")
+        if data_source:  # a tokenizer the user chose: the model's own is the fix
+            raise ConfigError(f"{data_source}: its vocabulary has {data.vocab_size:,} token ids, {outside}. Fix: the "
+                              "tokenizer the model was trained with (data.tokenizer=<the model's own folder or hub "
+                              "id>), or a model whose vocabulary holds it")
+        raise ConfigError(f"{model_source}: the data's ids come from {data.name or 'its vocabulary'} "
+                          f"({data.vocab_size:,} ids), {outside}. Fix: {model_source.partition('=')[0]}="
+                          f"{data.vocab_size}")
+    if limits.positions is None or data.positions is None or data.positions <= limits.positions:
+        return
+    n, block = limits.positions, _with_path(data.positions_source or f"block_size={data.positions}", "data")
+    where = _with_path(limits.positions_source, "model") or model_source
+    if limits.kind == "learned":
+        raise ConfigError(f"{block}: longer than the {n} positions of {limits.name} ({where}): its position "
+                          f"embeddings are a learned table of {n} rows, so positions {n} and later do not exist (an "
+                          f"IndexError at the first batch). Fix: data.block_size={n} (or less)")
+    what = ("rotary positions run past it, at positions the model never saw in training, so quality drops"
+            if limits.kind == "rotary" else "past it the model runs at positions it was not built for")
+    config_json = Path(limits.source.partition("=")[2]) / "config.json"  # a local folder: its limit can be raised
+    raise_it = f"; to train past it on purpose, raise max_position_embeddings in {config_json}" * config_json.is_file()
+    raise ConfigError(f"{block}: longer than the {n} positions {limits.name} was made for (max_position_embeddings, "
+                      f"{where}): its {what}. Fix: data.block_size={n} (or less){raise_it}")

@@ -1,9 +1,10 @@
-"""End-of-run numbers every job reports: wall time, throughput, peak memory, best metric."""
+"""End-of-run numbers every job reports: wall time and where it went, throughput, peak memory, best metric."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import lightning.pytorch as pl
 import torch
@@ -11,10 +12,40 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lit_speed.monitoring.samplers import batch_size_and_tokens, peak_rss_bytes
+from lit_speed.run_contract import PhaseTimer
+
+#: Training batches left out of the steady-state throughput: the first ones pay for lazy set-up (allocator
+#: growth, kernel selection, the optimizer's state), which a long run does not pay again.
+WARMUP_BATCHES = 2
+
+
+def steady_rate(amounts: list[int], seconds: list[float], warmup: int = WARMUP_BATCHES) -> float | None:
+    """``sum(amount) / sum(seconds)`` over the batches after ``warmup`` (all of them when there are too few)."""
+    if not amounts or not any(amounts):
+        return None
+    skip = warmup if len(amounts) > warmup else 0
+    spent = sum(seconds[skip:])
+    return sum(amounts[skip:]) / spent if spent > 0 else None
+
+
+def phase_seconds_of(parts: Iterable[object]) -> dict[str, float]:
+    """The seconds each :class:`~lit_speed.run_contract.PhaseTimer` among ``parts`` reports, summed by phase."""
+    total: dict[str, float] = {}
+    for part in parts:
+        if isinstance(part, PhaseTimer):
+            for phase, seconds in part.phase_seconds().items():
+                total[phase] = total.get(phase, 0.0) + float(seconds)
+    return total
 
 
 class RunSummary(Callback):
-    """Counts samples/tokens and times training (validation excluded) for the end-of-run summary.
+    """Counts samples/tokens, times every phase of fit, and reports the best metric for the end-of-run summary.
+
+    Phases inside ``fit`` (``time_split_s`` of ``summary.json``, with what the runner measures before and after):
+    ``data`` (``prepare_data`` + the DataModule's ``setup``: tokenising, reading), ``fit_setup`` (model and strategy
+    set-up, optimizer, restoring a checkpoint), ``sanity`` and ``validation``, ``checkpoints`` and ``export`` (as
+    the components that spend them report it: :class:`~lit_speed.run_contract.PhaseTimer`), and ``training``,
+    the rest: the steps, data loading between them, and the callbacks' work per batch.
 
     Args:
         monitor: Metric whose best value is reported (e.g. ``val/acc``).
@@ -30,10 +61,18 @@ class RunSummary(Callback):
         self.tokens = 0
         self.best: float | None = None
         self.best_step: int | None = None
+        self.fit_called_at: float | None = None  # set by the runner just before trainer.fit
+        self._setup_at: float | None = None
         self._fit_start = 0.0
         self._val_start = 0.0
+        self._batch_start = 0.0
         self.val_time = 0.0
+        self.sanity_time = 0.0
         self.wall_time = 0.0
+        self.phases: dict[str, float] = {}
+        self.batch_seconds: list[float] = []
+        self.batch_samples: list[int] = []
+        self.batch_tokens: list[int] = []
 
     def follow_monitor(self, monitor: str, mode: str) -> None:
         """Report the best value of ``monitor`` (chosen at the first validation), unless one was named."""
@@ -41,8 +80,22 @@ class RunSummary(Callback):
             self.monitor, self.mode = monitor, mode
 
     @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        # Lightning runs prepare_data and the DataModule's setup just before the callbacks' setup
+        self._setup_at = time.perf_counter()
+        if stage == "fit" and self.fit_called_at is not None:
+            self.phases["data"] = self._setup_at - self.fit_called_at
+
+    @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._fit_start = time.perf_counter()
+        if self._setup_at is not None:
+            self.phases["fit_setup"] = self._fit_start - self._setup_at
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
@@ -50,6 +103,9 @@ class RunSummary(Callback):
         samples, tokens = batch_size_and_tokens(batch)
         self.samples += samples
         self.tokens += tokens
+        self.batch_seconds.append(time.perf_counter() - self._batch_start)
+        self.batch_samples.append(samples)
+        self.batch_tokens.append(tokens)
 
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -57,8 +113,12 @@ class RunSummary(Callback):
 
     @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.val_time += time.perf_counter() - self._val_start
-        if trainer.sanity_checking or self.monitor is None:
+        spent = time.perf_counter() - self._val_start
+        if trainer.sanity_checking:
+            self.sanity_time += spent
+            return
+        self.val_time += spent
+        if self.monitor is None:
             return
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
@@ -72,9 +132,21 @@ class RunSummary(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.wall_time = time.perf_counter() - self._fit_start
 
+    def fit_phases(self, trainer: "pl.Trainer") -> dict[str, float]:
+        """Seconds of each phase of fit; ``training`` is the fit wall time less every other phase inside it."""
+        strategy = trainer.strategy
+        reported = phase_seconds_of([*trainer.callbacks, strategy, getattr(strategy, "checkpoint_io", None)])
+        phases = {**self.phases, "sanity": self.sanity_time, "validation": self.val_time,
+                  "checkpoints": reported.pop("checkpoints", 0.0), "export": reported.pop("export", 0.0), **reported}
+        inside = sum(v for k, v in phases.items() if k not in ("data", "fit_setup"))
+        phases["training"] = max(self.wall_time - inside, 0.0)
+        return phases
+
     def summary(self, trainer: "pl.Trainer") -> dict[str, Any]:
-        train_time = max(self.wall_time - self.val_time, 1e-9)
+        phases = self.fit_phases(trainer)
+        train_time = max(phases["training"], 1e-9)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+        steady_tokens = steady_rate(self.batch_tokens, self.batch_seconds)
         return {
             "fit_wall_time_s": round(self.wall_time, 3),
             "train_time_s": round(train_time, 3),
@@ -84,6 +156,11 @@ class RunSummary(Callback):
             "tokens": self.tokens,
             "samples_per_sec": round(self.samples / train_time, 2),
             "tokens_per_sec": round(self.tokens / train_time, 2) if self.tokens else None,
+            # the batches after the first WARMUP_BATCHES, from batch start to batch end (loading excluded)
+            "steady_samples_per_sec": round(steady_rate(self.batch_samples, self.batch_seconds) or 0.0, 2),
+            "steady_tokens_per_sec": round(steady_tokens, 2) if steady_tokens else None,
+            "median_batch_s": round(statistics.median(self.batch_seconds), 4) if self.batch_seconds else None,
+            "time_split_s": {k: round(v, 3) for k, v in phases.items()},
             "peak_rss_bytes": peak_rss_bytes(),
             "monitor": self.monitor,
             "best_val": self.best,

@@ -27,11 +27,14 @@ from lit_speed.run.config_error import ConfigError
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, stop_signal_received, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.run.config_error import RunStopped
-from lit_speed.run_contract import (AccumulationReport, EndOfRunReport, ModelPreparer, MonitoredModel,
-                                    SummaryExtra, SummaryReport, WorkloadReport, startup_rows_of)
-from lit_speed.run.run_checks import check_activation_memory, check_checkpoint_matches, check_config
+from lit_speed.run.console import quiet_upstream_notices
+from lit_speed.run_contract import (AccumulationPlan, AccumulationReport, EndOfRunReport, ModelPreparer,
+                                    MonitoredModel, SummaryExtra, SummaryReport, WorkloadReport, startup_rows_of)
+from lit_speed.run.run_checks import (check_activation_memory, check_checkpoint_matches, check_config,
+                                     check_tokens_fit_model)
+from lit_speed.run.fit_check import check_fits_memory
 from lit_speed.run.run_monitor import configured_monitor
-from lit_speed.run.run_plan_check import RunPlanCheck
+from lit_speed.run.run_plan_check import RunPlanCheck, largest_accumulation_factor
 from lit_speed.run.run_summary import RunSummary
 from lit_speed.tables import print_table
 from lit_speed.run.config_targets import model_takes_optimizer
@@ -58,13 +61,16 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
     datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    check_tokens_fit_model(datamodule, cfg.model)  # tokenizer vs embedding, window vs positions: before weights load
     # plain Python values (betas as a tuple, not a ListConfig): optimizer param groups are saved in every
     # checkpoint, and an OmegaConf object there makes it unloadable with torch.load(weights_only=True)
     # a model that takes no `optimizer` argument, or whose config sets its own, builds its own optimizer
     takes_optimizer = model_takes_optimizer(cfg.model)
     optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if takes_optimizer else None
+    loading = time.perf_counter()
     model: pl.LightningModule = hydra.utils.instantiate(cfg.model, **({"optimizer": optimizer} if takes_optimizer
                                                                        else {}))
+    phases = {"model_load": time.perf_counter() - loading}
     # the model knows which metric it reports, or the user's callback configs name one; the config may override it;
     # with none of them, RunPlanCheck chooses one from the metrics the first validation logs
     declared = (model.monitor, model.monitor_mode) if isinstance(model, MonitoredModel) and model.monitor \
@@ -91,9 +97,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     # init (weights) before peft (adapters on the loaded base), both before every other callback
     callbacks = [*_instantiate_group(cfg.get("init")), *_instantiate_group(cfg.get("peft")),
                  *_instantiate_group(cfg.get("callbacks")), *_instantiate_group(cfg.get("accumulation"))]
+    preparing = time.perf_counter()
     for part in callbacks:  # before the table and the optimizer: the table shows the model that trains
         if isinstance(part, ModelPreparer):
             part.prepare_model(model)
+    phases["model_prepare"] = time.perf_counter() - preparing
     safety_net = None
     if not any(isinstance(cb, FaultTolerance) for cb in callbacks):
         # a scheduler's SIGTERM must never lose the whole run: saving on a signal costs nothing until one comes
@@ -115,7 +123,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     )
     return {"datamodule": datamodule, "model": model, "trainer": trainer, "run_summary": run_summary,
             "callbacks": callbacks, "loggers": loggers, "plugins": plugins, "optimizer": optimizer, "cfg": cfg,
-            "safety_net": safety_net}
+            "safety_net": safety_net, "phases": phases}
 
 
 def _accumulation_factor(trainer: pl.Trainer, callbacks: list[Any]) -> int:
@@ -127,12 +135,47 @@ def _accumulation_factor(trainer: pl.Trainer, callbacks: list[Any]) -> int:
     return trainer.accumulate_grad_batches
 
 
+def effective_batch_row(micro: int | None, world: int, trainer: pl.Trainer, callbacks: list[Any]) -> tuple[str, int]:
+    """The effective batch at the start and where an accumulation schedule takes it; and the largest factor."""
+    plan = next((cb for cb in callbacks if isinstance(cb, AccumulationPlan)), None)
+    if plan is not None:
+        accum, largest, then = plan.accumulation_plan(micro, world)
+    else:
+        accum, then = _accumulation_factor(trainer, callbacks), ""
+        largest = largest_accumulation_factor(callbacks, trainer.accumulate_grad_batches)
+    if micro:
+        row = f"{micro} micro x {accum} accumulation x {world} process(es) = {micro * accum * world}"
+    else:
+        row = f"accumulation {accum}, world size {world}"
+    return row + (f" at the start; {then}" if then else ""), max(accum, largest)
+
+
+def validation_row(trainer: pl.Trainer, largest_factor: int) -> str:
+    """When validation runs, and what ``val_check_interval`` counts when gradients accumulate."""
+    if trainer.limit_val_batches == 0:
+        return "off (trainer.limit_val_batches=0)"
+    interval, every_n = trainer.val_check_interval, trainer.check_val_every_n_epoch
+    if not isinstance(interval, (int, float)) or isinstance(interval, bool):
+        return f"every {interval} of wall time (trainer.val_check_interval)"
+    epochs = "of each epoch" if every_n == 1 else f"of every {every_n}th epoch" if every_n else "counted across epochs"
+    if isinstance(interval, float):
+        end = "at the end of each epoch" if every_n == 1 else f"at the end of every {every_n}th epoch"
+        return end if interval == 1.0 else f"every {interval:g} of an epoch, {epochs}"
+    row = f"every {interval} training batches {epochs} (trainer.val_check_interval)"
+    if largest_factor > 1:
+        row += (f": training batches are micro-batches, so under x{largest_factor} accumulation that is every "
+                f"~{max(1, round(interval / largest_factor))} optimizer steps; to count optimizer steps: "
+                "'callbacks=[default,validate_every_n_steps]' callbacks.validate_every_n_steps.every_n_steps=<N> "
+                "trainer.val_check_interval=null")
+    return row
+
+
 def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
     """One row per setting that changes speed or memory, with the derived effective batch."""
     trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
     micro = getattr(dm, "batch_size", None)
-    accum = _accumulation_factor(trainer, parts["callbacks"])
     world = trainer.world_size
+    batch_row, largest_factor = effective_batch_row(micro, world, trainer, parts["callbacks"])
     params = {id(p): p for p in model.parameters()}.values()  # tied weights once
     n_params = sum(p.numel() for p in params)
     n_trainable = sum(p.numel() for p in params if p.requires_grad)
@@ -141,14 +184,14 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
         "precision": getattr(precision, "precision", str(trainer.precision)),
         "strategy": f"{type(trainer.strategy).__name__} on {type(trainer.accelerator).__name__} "
                     f"({trainer.num_devices} device(s) x {trainer.num_nodes} node(s))",
-        "effective batch": f"{micro} micro x {accum} accumulation x {world} process(es) = {micro * accum * world}"
-        if micro else f"accumulation {accum}, world size {world}",
+        "effective batch": batch_row,
         "model": f"{type(model).__name__}: {n_params:,} parameters" + (
             f" ({n_trainable:,} trainable, {n_params - n_trainable:,} frozen)" if n_trainable != n_params else ""),
         "optimizer": optimizer_row(parts["optimizer"]),
         "threads": f"{torch.get_num_threads()} intra-op (torch)",
         "monitor": f"{cfg.monitor} ({cfg.monitor_mode})" if cfg.monitor is not None else
                    "none named: chosen at the first validation from the metrics it logs (a val loss first)",
+        "validation": validation_row(trainer, largest_factor),  # a cadence callback's own row replaces it
     }
     if parts["optimizer"] is None and cfg.get("optimizer") is not None:
         rows["optimizer"] = "the model's own (its config's model.optimizer, or configure_optimizers): optimizer= unused"
@@ -168,7 +211,7 @@ def optimizer_row(factory: Any) -> str:
         return "the model's own (configure_optimizers)"
     func = getattr(factory, "func", factory)
     keywords = getattr(factory, "keywords", {}) or {}
-    shown = [f"{k}={keywords[k]}" for k in ("lr", "adamw_lr", "fused", "foreach", "ns_dtype", "adamw_kernel")
+    shown = [f"{k}={keywords[k]}" for k in ("lr", "adamw_lr", "fused", "foreach", "ns_dtype", "adamw_kernel", "block_size")
              if keywords.get(k) is not None]
     auto = [k for k in ("ns_dtype", "adamw_kernel") if keywords.get(k) == "auto"]
     note = f"; {' and '.join(auto)} timed on this machine before the first step" if auto else ""
@@ -256,14 +299,21 @@ def _refusals_as_config_errors(before_training: Callable[[], bool], paths: dict[
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict."""
     t0 = time.perf_counter()
+    before = {"startup": seconds_since_launch()}  # imports, Hydra's composition, the pre-flight
+    quiet_upstream_notices()  # Lightning's litlogger tip, torch's deprecation of a name Lightning uses
     paths = config_paths(cfg)
     with _refusals_as_config_errors(lambda: True, paths):
         check_config(cfg)  # the config alone: before anything is built
         check_activation_memory(cfg)  # probes a short-context copy of the model
+        check_fits_memory(cfg)  # a Hugging Face model folder: the peak RSS predicted before its weights are read
+        before["checks"] = time.perf_counter() - t0
+        building = time.perf_counter()
         parts = build(cfg)
         cfg = parts["cfg"]  # with the model's monitor filled in
         trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
         rows = startup_rows(cfg, parts)
+        before.update(parts["phases"])
+        before["build"] = time.perf_counter() - building - sum(parts["phases"].values())
     print_table("lit_speed run", rows)
 
     # a refusal raised while the Trainer sets up (strategy, precision, data, checkpoint) is a config error;
@@ -272,6 +322,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # ckpt_path=last -> the newest checkpoint that verifies (damaged ones are skipped with a warning)
         ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), trainer)
         check_checkpoint_matches(ckpt_path, model, parts["optimizer"])
+        parts["run_summary"].fit_called_at = time.perf_counter()
         try:
             trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
         except BaseException as error:  # interrupted or failed: what was done is still written down
@@ -280,9 +331,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 raise RunStopped(write_failure_message(error, trainer), exit_code=74) from error  # EX_IOERR
             raise
     summary = parts["run_summary"].summary(trainer)
+    after: dict[str, float] = {}
     if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run and not stop_signal_received(trainer):
+        validating = time.perf_counter()
         val = trainer.validate(model, datamodule=dm, verbose=False)
         summary["final_val"] = {k: float(v) for k, v in (val[0] if val else {}).items()}
+        after["final_validation"] = time.perf_counter() - validating
     if (late := stop_signal_received(trainer)) is not None:  # SIGTERM/SIGUSR1 after the last training batch
         raise RunStopped(*late)
     extras = workload_extras(parts)
@@ -291,10 +345,22 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if components:
         summary["components"] = components
     summary["total_wall_time_s"] = round(time.perf_counter() - t0, 3)
+    split = {**before, **summary["time_split_s"], **after}
+    # what no phase names: the fit's own bookkeeping outside its hooks, the summary's component reports
+    split["other"] = max(before["startup"] + summary["total_wall_time_s"] - sum(split.values()), 0.0)
+    summary["time_split_s"] = {k: round(v, 3) for k, v in split.items()}
+    summary["launch_to_end_s"] = round(before["startup"] + summary["total_wall_time_s"], 3)
     summary["startup"] = rows
     summary["config"] = OmegaConf.to_container(cfg, resolve=True)
     write_summary(cfg, trainer, summary, extras)
     return summary
+
+
+def seconds_since_launch() -> float:
+    """Seconds since this process started (the kernel's start time, so imports and Hydra count too)."""
+    import psutil
+
+    return max(time.time() - psutil.Process().create_time(), 0.0)
 
 
 def _write_stopped_summary(cfg: DictConfig, parts: dict[str, Any], rows: dict[str, str], error: BaseException,
@@ -331,6 +397,7 @@ def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any],
     out = Path(cfg.paths.output_dir)
     rows = {
         "wall time (fit)": f"{summary['fit_wall_time_s']:.1f} s ({summary['train_time_s']:.1f} s training)",
+        "launch to end": time_split_row(summary),
         "throughput": f"{summary['samples_per_sec']:,.0f} samples/s"
         + (f", {summary['tokens_per_sec']:,.0f} tokens/s" if summary.get("tokens_per_sec") else ""),
         "peak memory (RSS)": f"{summary['peak_rss_bytes'] / 2**20:,.0f} MiB",
@@ -347,6 +414,15 @@ def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any],
             rows.update({str(k): str(v) for k, v in part.end_rows().items()})
     rows["summary"] = str(out / "summary.json")
     print_table("lit_speed summary", rows)
+
+
+def time_split_row(summary: dict[str, Any]) -> str:
+    """``"129.9 s: training 45.2, export 48.0, ..."``: the phases of ``summary["time_split_s"]`` that took at
+    least 0.1 s, longest first."""
+    split = summary.get("time_split_s", {})
+    shown = sorted(((k, v) for k, v in split.items() if v >= 0.1), key=lambda kv: -kv[1])
+    return f"{summary.get('launch_to_end_s', 0.0):.1f} s: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
+                                                                       for k, v in shown)
 
 
 def optimized_metric(cfg: DictConfig, summary: dict[str, Any]) -> float | None:

@@ -119,6 +119,21 @@ def _cpu_offload_optimizer_types() -> tuple[type, ...]:
     return DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion
 
 
+def check_zero_optimizer(optimizer: Any) -> None:
+    """Refuse an optimizer that declares it cannot step ZeRO's flat partitions (its ``zero_refusal`` says why, e.g.
+    the low-bit AdamWs of :mod:`lit_speed.optim.low_bit`), before DeepSpeed builds its engine around it.
+
+    Raises:
+        ValueError: Naming the optimizer, its reason and the fix.
+    """
+    reason = getattr(optimizer, "zero_refusal", None)
+    if reason:
+        name = type(optimizer).__name__
+        raise ValueError(f"ZeroStrategy: {name} cannot train under DeepSpeed ZeRO: {reason}. Fix: strategy=auto or "
+                         f"strategy=ddp to keep {name}, or a ZeRO strategy with optimizer=adamw (offload: "
+                         "optimizer=cpu_adam)")
+
+
 def check_offload_optimizer(optimizer: Any, offload: bool) -> None:
     """Refuse CPU offload with an optimizer that cannot step on CPU-resident state.
 

@@ -1,12 +1,13 @@
 """DeepSpeed ZeRO stages 1-3, with CPU offload, on GPUs and on CPU-only machines."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -17,7 +18,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_speed import GuardedDeepSpeedPrecision, state_tensors_per_param
+from lit_speed import GuardedDeepSpeedPrecision, state_bytes_per_param
 from lit_speed.compat import deepspeed as ds_compat, lightning as pl_compat
 from lit_speed.compat.deepspeed import BatchSizeFromLoader
 from lit_speed.interfaces import find_accumulation_decider
@@ -29,6 +30,7 @@ from lit_speed.strategies.memory_estimate import format_bytes, measured_optimize
 from lit_speed.strategies.zero_config import (
     PRECISIONS,
     check_offload_optimizer,
+    check_zero_optimizer,
     check_precision,
     fp16_section,
     merge_config,
@@ -103,7 +105,8 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         self.build_shm_comm = build_shm_comm
         self._estimate: ModelStateBytes | None = None
         self._deepspeed_patches = ExitStack()  # compat patches held from environment set-up to teardown
-        self._optimizer_states = 2.0  # Adam's, until the optimizer is built and asked (DeepSpeed's own are Adams)
+        # Adam's two float32 moments until the optimizer is built and asked (DeepSpeed's own are Adams)
+        self._state_bytes: Callable[[torch.dtype], float] | None = None
 
     # -- settings derived from the config -------------------------------------------------------------------
     @property
@@ -186,8 +189,10 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
     def _adjust_initialize(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         optimizer = kwargs.get("optimizer")
         if optimizer is not None:
+            check_zero_optimizer(optimizer)
             check_offload_optimizer(optimizer, self.offload_optimizer)
-            self._optimizer_states = state_tensors_per_param(optimizer) or self._optimizer_states
+            if state_bytes_per_param(optimizer) is not None:
+                self._state_bytes = functools.partial(state_bytes_per_param, optimizer)
         if isinstance(self.accelerator, CPUAccelerator):
             kwargs = ds_compat.with_device_rank(kwargs, self.local_rank)
         return kwargs
@@ -271,21 +276,24 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     # -- reporting -----------------------------------------------------------------------------------------
-    def memory_estimate(self, num_params: int, stage: int | None = None) -> ModelStateBytes:
+    def memory_estimate(self, num_params: int, stage: int | None = None, frozen_params: int = 0) -> ModelStateBytes:
         """Per-rank bytes of model states for this stage (or ``stage``: 0 for DeepSpeed without ZeRO, on one rank),
-        offload, precision and world size."""
-        states, precision = self._optimizer_states, self.precision_plugin.precision
+        offload, precision and world size; ``frozen_params`` (a frozen base under adapters) take parameter memory
+        on every rank (sharded at stage 3) but no gradient or optimizer state."""
+        precision = self.precision_plugin.precision
         if stage is not None:
-            return model_state_bytes(num_params, precision, states, ZeroLayout(stage, deepspeed=True))
+            return model_state_bytes(num_params, precision, layout=ZeroLayout(stage, deepspeed=True),
+                                     frozen_params=frozen_params, state_bytes=self._state_bytes)
         layout = ZeroLayout(self.stage, self.offload_optimizer, self.offload_parameters, deepspeed=True)
-        return model_state_bytes(num_params, precision, states, layout, self.world_size)
+        return model_state_bytes(num_params, precision, layout=layout, world_size=self.world_size,
+                                 frozen_params=frozen_params, state_bytes=self._state_bytes)
 
     def _log_estimate(self) -> None:
         module = self.lightning_module
         if module is None:
             return
-        n = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        self._estimate = est = self.memory_estimate(n)
+        n, frozen = _parameter_counts(module)
+        self._estimate = est = self.memory_estimate(n, frozen_params=frozen)
         rank_zero_info(f"ZeRO-{self.stage} model states per rank: params {format_bytes(est.params)}, grads "
                        f"{format_bytes(est.grads)}, optimizer {format_bytes(est.optimizer)} "
                        f"({format_bytes(est.host)} in host RAM)")
@@ -298,10 +306,11 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
                         f"{self.world_size} rank(s), {self.precision_plugin.precision}"}
         model = model if model is not None else self.lightning_module
         if model is not None:
-            n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            est, ddp = self.memory_estimate(n), self.memory_estimate(n, stage=0)
+            n, frozen = _parameter_counts(model)
+            est, ddp = self.memory_estimate(n, frozen_params=frozen), self.memory_estimate(n, 0, frozen)
+            counted = f"{n:,} trainable + {frozen:,} frozen parameters: " if frozen else ""
             rows["zero model states / rank"] = (
-                f"params {format_bytes(est.params)} + grads {format_bytes(est.grads)} + optimizer "
+                f"{counted}params {format_bytes(est.params)} + grads {format_bytes(est.grads)} + optimizer "
                 f"{format_bytes(est.optimizer)} = {format_bytes(est.total)} "
                 f"({format_bytes(est.host)} in host RAM; DDP: {format_bytes(ddp.total)})")
         else:
@@ -368,3 +377,9 @@ def _read_config(config: Mapping[str, Any] | str | Path | None) -> dict[str, Any
         pass
     return dict(config)
 
+
+def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """``(trainable, frozen)`` parameter elements, tied weights counted once: every rank holds the frozen ones too."""
+    params = {id(p): p for p in model.parameters()}.values()
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return trainable, sum(p.numel() for p in params) - trainable

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from lit_speed.accumulation import micro_batch as mb
 from lit_speed.oom import is_oom_error
 from lit_speed.accumulation.schedule import (check_divisible, factor_at, factor_for_effective_batch, lr_scale,
-                                             validate_schedule, value_at)
+                                             schedule_plan, validate_schedule, value_at)
 from lit_speed.accumulation.window import (count_items, count_tokens, head_batch, scale_gradients, split_batch,
                                            window_scale)
 
@@ -147,3 +147,22 @@ def test_pick_micro_batch_takes_the_largest_that_fits():
     with pytest.raises(ValueError, match=r"memory_budget_mb = 0.0 is too small: micro-batch 1 needs"):
         mb.pick_micro_batch(100.0, 50.0, 10.0, cands)
     assert math.isclose(mb.pick_micro_batch(1.0, 0.0, 1e9, cands), 32)
+
+
+def test_schedule_plan_says_the_factor_at_the_start_the_largest_and_where_it_goes():
+    # issue 33: the start-up table said "x1" while a ramp started at 64 samples (x8 at micro-batch 8)
+    assert schedule_plan({0: 64, 50: 256}, False, "step", "linear", 8, 1) == (
+        8, 32, "rising linearly (whole micro-batches) to 256 (x32) at step 50")
+    assert schedule_plan({0: 1, 200: 4}, True, "step", "step", 16, 2) == (1, 4, "then x4 = 128 at step 200")
+    assert schedule_plan({0: 4}, True, "epoch", "step", 16, 1) == (4, 4, "")
+    assert schedule_plan({0: 32, 10_000: 64}, False, "samples", "step", 16, 1) == (
+        2, 4, "then 64 (x4) after 10,000 samples")
+    assert schedule_plan({0: 64}, False, "step", "linear", None, 1)[2].endswith("the micro-batch is chosen at setup")
+
+
+@pytest.mark.parametrize("ramp", ["step", "linear"])
+def test_schedule_plan_refuses_an_effective_batch_the_micro_batch_does_not_divide(ramp):
+    # (a linear ramp of [[0, 100]] at micro-batch 64 trained at 64 without a word)
+    with pytest.raises(ValueError, match=r"effective_batch\[0\] = 100 is not divisible by micro_batch \(64\) x world "
+                                         r"size \(1\) = 64; use 64 or 128"):
+        schedule_plan({0: 100}, False, "step", ramp, 64, 1)

@@ -141,7 +141,60 @@ CASES = {
     "signal_deadline_not_a_number": (["callbacks.fault_tolerance.signal_deadline_s=soon"],
                                      r"signal_deadline_s must be a number of seconds > 0, or None to wait for the "
                                      r"running step, got 'soon'", True),
+    # issue 32: memory levers
+    "chunked_loss_without_a_language_model": (["callbacks=[chunked_loss]"],
+                                              r"callbacks\.chunked_loss: ChunkedLMLoss: MLPClassifier holds no Hugging "
+                                              r"Face causal LM .*Fix: drop chunked_loss", True),
+    "bf16_base_under_bf16_true": (["peft=lora", "peft.base_dtype=bf16", "precision=bf16-true"],
+                                  r"peft\.base_dtype=bf16: PEFTAdapters\(base_dtype=bf16\): precision=bf16-true casts "
+                                  r"the whole module.*Fix: precision=32-true or bf16-mixed", True),
+    # issue 32: low-bit optimizer states
+    "low_bit_under_zero": (["strategy=zero2", "optimizer=adamw8bit"],
+                           r"strategy: ZeroStrategy: AdamW8bit cannot train under DeepSpeed ZeRO: .*Fix: strategy=auto "
+                           r"or strategy=ddp to keep AdamW8bit", True),
+    "low_bit_odd_block": (["optimizer=adamw4bit", "optimizer.block_size=3"],
+                          r"optimizer\.block_size=3: AdamW4bit\(block_size=3\): block_size must be an even int", True),
+    "preset_optimizer_switched_to_low_bit": (["experiment=charlm_fast", "optimizer=adamw8bit"],
+                                             r"optimizer\.adamw_lr=[\d.]+, optimizer\.momentum=[\d.]+: AdamW8bit takes "
+                                             r"no arguments 'adamw_lr', 'momentum'", True),
 }
+
+# ---- issue 33 (checks): one line where a new user got a traceback, silence or a misleading line ----------------
+OWN_CONF = Path(mkdtemp(prefix="own_conf_"))  # a user's config folder with a file that is not YAML
+(OWN_CONF / "model").mkdir()
+(OWN_CONF / "model" / "broken.yaml").write_text("_target_: my_pkg.Model\nlayers: [1, 2\nwidth: 3\n")
+OTHER_MODEL = Path(mkdtemp(prefix="other_model_")) / "other.pt"  # 1 tensor in common with the MLP, 2 of its own
+torch.save({"net.0.weight": torch.zeros(256, 64), "encoder.0.weight": torch.zeros(2), "encoder.1.weight": torch.zeros(2)},
+           OTHER_MODEL)
+CASES.update({
+    "own_config_not_yaml": (["--config-dir", str(OWN_CONF), "model=broken"],
+                            r"model=broken: .*broken\.yaml is not valid YAML \(.*line 3, column \d+; while parsing a "
+                            r"flow sequence from line 2\)\. Fix: correct that line", False),
+    "nested_key_from_the_top": (["validation_budget.max_fraction=2"],
+                                r"it is callbacks\.validation_budget\.max_fraction, which the callbacks option "
+                                r"validation_budget adds\. Fix: 'callbacks=\[default,validation_budget\]'", False),
+    "batch_transform_not_a_function": (["data.batch_transform=foo"],
+                                       r"data\.batch_transform='foo': DigitsDataModule\(batch_transform='foo'\): must "
+                                       r"be a function", True),
+    "effective_batch_not_a_multiple": (["accumulation=ramp", "accumulation.effective_batch=[[0,100]]"],
+                                       r"effective_batch\[0\] = 100 is not divisible by micro_batch \(64\) x world size "
+                                       r"\(1\) = 64; use 64 or 128", True),
+    "threads_above_the_cores": (["precision.threads=1000"], r"precision\.threads=1000: GuardedPrecision\(threads=1000\)"
+                                r": more than the \d+ CPU core\(s\) this process may run on", True),
+    "peft_option_unknown": (["peft=lora", "+peft.options.use_foo=true"],
+                            r"'use_foo' is not an argument of peft's LoraConfig\. Did you mean use_dora\? It takes: ",
+                            True),
+    "export_folder_not_writable": (["peft=lora", "peft.export_dir=/proc/forbidden"],
+                                   r"peft\.export_dir=/proc/forbidden: PEFTAdapters\(export_dir=/proc/forbidden\): the "
+                                   r"merged model could not be written there after training", True),
+    "validation_steps_and_batches_both": (["callbacks=[default,validate_every_n_steps]", "trainer.val_check_interval=5"],
+                                          r"callbacks\.validate_every_n_steps: ValidateEveryNSteps: Trainer\("
+                                          r"val_check_interval=5\) would be ignored.*Fix: trainer\.val_check_interval="
+                                          r"null", True),
+    "init_from_another_model": (["init=weights", f"init.path={OTHER_MODEL}"],
+                                r"only 1 of MLPClassifier's \d+ tensors match the file's 3 by name and shape: it holds "
+                                r"another model", True),
+})
 
 
 @lru_cache(maxsize=None)

@@ -49,6 +49,11 @@ PRESET_ACCUMULATION = ["accumulation.effective_batch=[[0,12],[4,24]]"]
 MID_WINDOW = {"fixed": 14, "ramp": 9, "preset": 7}
 # odd: the checkpoint before it is one step back (fixed: step 2, written at epoch 1's last batch)
 KILL_STEP = {"none": 13, "fixed": 4, "ramp": 7, "preset": 7}
+# options that are a key or a callback rather than a group option (issue 32's memory levers): name -> overrides
+LEVERS = {"peft=lora peft.base_dtype=bf16": DIGITS + ["peft=lora", "peft.base_dtype=bf16"],
+          "experiment=charlm_cpu callbacks+=chunked_loss": [
+              "experiment=charlm_cpu", *[a for a in PRESET if not a.startswith("callbacks=")],
+              "callbacks=[model_checkpoint,fault_tolerance,chunked_loss]", "callbacks.chunked_loss.chunk_mib=0.05"]}
 
 
 def options(group: str) -> list[str]:
@@ -83,6 +88,9 @@ def _cases() -> list:
             if schedule != "none":
                 cases.append(pytest.param(DIGITS + overrides, None, MID_WINDOW[schedule], id=f"{name}-sigterm-mid-window",
                                           marks=[pytest.mark.slow]))
+    for name, overrides in LEVERS.items():
+        cases.append(pytest.param(overrides, KILL_STEP["preset" if "experiment=" in name else "none"], None,
+                                  id=f"{name}-sigkill", marks=[pytest.mark.slow]))
     for preset in options("experiment"):
         overrides = [f"experiment={preset}", *PRESET] + (PRESET_ACCUMULATION if _preset_accumulates(preset) else [])
         cases.append(pytest.param(overrides, KILL_STEP["preset"], None, id=f"experiment={preset}-sigkill",
@@ -139,3 +147,5 @@ def test_the_matrix_covers_every_option_of_the_groups() -> None:
             assert f"{name}-sigkill" in ids
     for preset in options("experiment"):
         assert f"experiment={preset}-sigkill" in ids
+    for name in LEVERS:
+        assert f"{name}-sigkill" in ids

@@ -122,6 +122,18 @@ def test_automatic_optimization_decisions_we_replace_are_unchanged():
     assert "closure_loss=closure_loss/normalize" in _source(ClosureResult.from_training_step_output)
 
 
+def test_validation_after_a_batch_is_still_decided_by_val_check_batch_modulo_the_batch_count():
+    # validate_after_this_batch() (ValidateEveryNSteps): _TrainingEpochLoop._should_check_val_fx, after
+    # on_train_batch_end, tests (current_iteration + 1) % trainer.val_check_batch with these counters
+    check = _source(_TrainingEpochLoop._should_check_val_fx)
+    assert "is_val_check_batch=(current_iteration+1)%self.trainer.val_check_batch==0" in check
+    assert ("current_iteration=self.total_batch_idxifself.trainer.check_val_every_n_epochisNoneelseself.batch_idx"
+            in check)
+    advance = _source(_TrainingEpochLoop.advance)
+    assert advance.index('"on_train_batch_end"') < len(advance)  # the hook runs inside advance, before on_advance_end
+    assert "should_check_val=self._should_check_val_fx(data_fetcher)" in _source(_TrainingEpochLoop.on_advance_end)
+
+
 def test_install_shadows_instance_methods_only_and_uninstall_restores_them():
     trainer = _fit(_Tiny(), _tiny_loader(16, 8), [AccumulationScheduler(factors={0: 2})])
     epoch_loop = trainer.fit_loop.epoch_loop

@@ -109,3 +109,40 @@ def test_truncate_sequences_cuts_only_time_axes():
     batch = {"x": torch.zeros(2, 10), "y": (torch.zeros(2, 10, 3), torch.zeros(2))}
     out = truncate_sequences(batch, 4)
     assert out["x"].shape == (2, 4) and out["y"][0].shape == (2, 4, 3) and out["y"][1].shape == (2,)
+
+
+def test_a_batch_transform_that_is_not_a_function_is_refused_naming_the_module():
+    from lit_speed.data.pipeline import check_batch_transform
+
+    assert check_batch_transform("X", None) is None and check_batch_transform("X", jitter_images) is jitter_images
+    with pytest.raises(ValueError, match=r"DigitsDataModule\(batch_transform='foo'\): must be a function batch -> "
+                                         r"batch or None, got a str\. Fix: "):
+        DigitsDataModule(batch_transform="foo")
+    with pytest.raises(ValueError, match=r"CharLMDataModule\(batch_transform=3\)"):
+        CharLMDataModule(cache_dir=".", batch_transform=3)
+
+
+def test_a_mid_epoch_resume_of_a_lit_speed_loader_gets_no_not_resumable_warning(tmp_path):
+    # the order resumes through the DataModule's state (test_faults_midepoch.py); Lightning asked the loader only
+    import functools
+    import warnings
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_speed.data.pipeline import ResumableDataLoader
+    from lit_speed.models.mlp import MLPClassifier
+
+    def fit(max_steps: int, ckpt_path: str | None = None) -> None:
+        trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, limit_val_batches=0, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                             callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=True)])
+        model = MLPClassifier(optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+        trainer.fit(model, DigitsDataModule(batch_size=64), ckpt_path=ckpt_path)
+        assert isinstance(trainer.train_dataloader, ResumableDataLoader)
+
+    fit(3)  # 23 batches per epoch: step 3 is mid-epoch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(5, str(tmp_path / "last.ckpt"))
+    assert not [str(w.message) for w in caught if "not resumable" in str(w.message)]

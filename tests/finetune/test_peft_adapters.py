@@ -117,6 +117,48 @@ def test_merged_export_loads_into_a_plain_model_with_the_same_outputs(tmp_path):
     assert any(isinstance(m, nn.Module) and "lora" in type(m).__module__ for m in model.modules())  # left as it was
 
 
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_hf_export_is_one_float32_folder_in_shards_that_loads_alone_and_leaves_the_model_as_it_was(tmp_path, tied):
+    """The merged Hugging Face folder is written shard by shard (a shard limit far below the model forces several),
+    loads with from_pretrained with no missing or unexpected tensor, gives the adapted model's logits, is float32,
+    and the trained model keeps its adapters and every tensor bitwise."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from lit_speed.finetune.export import write_hf_folder
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied))
+    holder = nn.Module()
+    holder.model = hf
+    add_adapters(holder, "lora", ["all-linear"], r=4)
+    with torch.no_grad():
+        for name, p in holder.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    before = {k: v.clone() for k, v in holder.state_dict().items()}
+    x = torch.randint(0, 120, (2, 12))
+    expected = hf(input_ids=x).logits
+    folder = write_hf_folder(hf, tmp_path / "hf", max_shard_bytes=20_000)
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (folder / "model.safetensors.index.json").is_file()
+    loaded, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert loaded.dtype == torch.float32 and loaded.config.tie_word_embeddings == tied
+    torch.testing.assert_close(loaded(input_ids=x).logits, expected, rtol=1e-5, atol=1e-5)  # merge order: float noise
+    after = holder.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert export_merged(holder, tmp_path / "auto").keys() == {"hf"}  # auto: one format for a Hugging Face model
+    assert not (tmp_path / "auto" / "model.pt").exists()
+
+
+def test_export_format_hf_without_a_hugging_face_model_is_refused_naming_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"export_format=state_dict"):
+        export_merged(_gpt(), tmp_path, format="hf")
+    with pytest.raises(ValueError, match=r"export_format='zip'.*auto, hf, state_dict"):
+        PEFTAdapters(export_format="zip")
+
 def test_loha_adapters_train_and_merge(tmp_path):
     model = _gpt(2)
     add_adapters(model, "loha", ["qkv"], r=2, alpha=2.0)

@@ -4,10 +4,12 @@ from __future__ import annotations
 import csv
 import json
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
+
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
@@ -284,6 +286,8 @@ def test_mfu_divides_by_the_peak_of_the_mode_precision_auto_chose_on_the_first_b
     from lit_speed import GuardedPrecision
 
     monkeypatch.setattr("lit_speed.precision.guarded_precision.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.measure_slowdown", lambda dtype: 1.0)  # any CPU
+    monkeypatch.setattr("lit_speed.monitoring.device_stats_logger.cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr("lit_speed.precision.guarded_precision.auto_mode_for",
                         lambda *a, **k: ("bf16-mixed", "stand-in timing"))
     probed = []
@@ -292,6 +296,21 @@ def test_mfu_divides_by_the_peak_of_the_mode_precision_auto_chose_on_the_first_b
     stats = DeviceStatsLogger(interval=2)
     fit(tmp_path, Regression(16, 2), Batches(4, 8, 16), 4, stats, plugins=[GuardedPrecision("auto")])
     assert probed == [torch.bfloat16] and "bfloat16" in stats.final_summary()["peak_flops_source"]
+
+
+def test_on_a_cpu_without_bf16_units_mfu_divides_by_the_higher_float32_peak(tmp_path, monkeypatch):
+    # bf16 kernels there convert to float32: a tiny model's step outruns a large bf16 matmul (MFU > 1 on a Zen3)
+    from lit_speed import GuardedPrecision
+
+    monkeypatch.setattr("lit_speed.monitoring.device_stats_logger.cpu_has_native_bf16", lambda: False)
+    peaks = {torch.bfloat16: 1e9, torch.float32: 5e10}
+    monkeypatch.setattr("lit_speed.monitoring.device_stats_logger.measure_cpu_peak_flops", lambda dtype: peaks[dtype])
+    stats = DeviceStatsLogger(interval=2)
+    with warnings.catch_warnings():  # bf16-mixed on a CPU that is slow at it is warned about (this one may not be)
+        warnings.simplefilter("ignore")
+        fit(tmp_path, Regression(16, 2), Batches(4, 8, 16), 4, stats, plugins=[GuardedPrecision("bf16-mixed")])
+    summary = stats.final_summary()
+    assert summary["peak_flops"] == 5e10 and "has no torch.bfloat16 matmul units" in summary["peak_flops_source"]
 
 
 def test_the_cpu_peak_probe_draws_nothing_from_the_global_rng():

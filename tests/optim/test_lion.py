@@ -78,5 +78,5 @@ def test_lion_is_public_and_declares_the_one_state_tensor_it_keeps():
     optimizer = Lion([p])
     p.grad = torch.ones_like(p)
     optimizer.step()
-    kept = sum(t.numel() for state in optimizer.state.values() for t in state.values()) / p.numel()
-    assert optimizer.state_tensors_per_param() == kept == 1.0
+    kept = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()) / p.numel()
+    assert optimizer.state_bytes_per_param() == kept == 4.0

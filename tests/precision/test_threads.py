@@ -24,6 +24,15 @@ def test_a_bad_thread_setting_is_refused_naming_it():
         GuardedPrecision(threads=0)
 
 
+def test_more_threads_than_cores_is_refused_naming_the_cores(monkeypatch):
+    # issue 33: threads=1000 ran 1000 threads on 2 cores (3.5x slower), without a word
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(ValueError, match=r"GuardedPrecision\(threads=3\): more than the 2 CPU core\(s\) this process "
+                                         r"may run on .*Fix: threads=2 \(or fewer\), threads=auto"):
+        GuardedPrecision(threads=3)
+    assert GuardedPrecision(threads=2).threads.chosen == 2
+
+
 class Tiny(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()

@@ -87,7 +87,9 @@ def test_inf_step_is_skipped_scale_backs_off_weights_unchanged_and_training_goes
     assert float(last["precision/mode"]) == modes.MODE_CODES["16-mixed"]
 
 
-def test_nan_for_n_steps_under_fallback_switches_mode_and_finishes_finite() -> None:
+def test_nan_for_n_steps_under_fallback_switches_mode_and_finishes_finite(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the fallback picks bf16-mixed where the CPU has bf16 matmul units (32-true elsewhere: the test after this one)
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.cpu_has_native_bf16", lambda: True)
     module = FaultyRegressor(bad_steps=(1, 2, 3), value=float("nan"))
     plugin = GuardedPrecision("16-mixed", on_nonfinite="fallback", fallback_after=3, init_scale=1024.0)
     with pytest.warns(UserWarning, match=r"3 consecutive non-finite steps under 16-mixed \(last at step 3: "
@@ -98,6 +100,15 @@ def test_nan_for_n_steps_under_fallback_switches_mode_and_finishes_finite() -> N
     assert plugin.counters.fallbacks[0]["step"] == 3 and plugin.counters.skipped_steps == 3
     assert all(torch.equal(module.weights[i], module.weights[0]) for i in (1, 2, 3))
     assert torch.isfinite(module.layer.weight).all() and not torch.equal(module.weights[-1], module.weights[3])
+
+
+def test_fallback_on_a_cpu_without_bf16_units_continues_in_32_true(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.cpu_has_native_bf16", lambda: False)
+    module = FaultyRegressor(bad_steps=(1, 2, 3), value=float("nan"))
+    plugin = GuardedPrecision("16-mixed", on_nonfinite="fallback", fallback_after=3, init_scale=1024.0)
+    with pytest.warns(UserWarning, match=r"continuing in 32-true"):
+        trainer = fit(plugin, module, max_steps=7)
+    assert trainer.precision_plugin.precision == "32-true" and module.out_dtypes[4:] == [torch.float32] * 3
 
 
 def test_a_skipped_accumulation_window_is_dropped_whole_and_the_next_starts_clean() -> None:
@@ -183,7 +194,8 @@ def test_resume_keeps_the_scaler_state(tmp_path: Path) -> None:
 
 
 def test_resume_after_fallback_continues_in_the_fallen_back_mode_and_ends_where_the_full_run_ends(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.cpu_has_native_bf16", lambda: True)
     def plugin() -> GuardedPrecision:
         return GuardedPrecision("16-mixed", fallback_after=3, init_scale=1024.0)
 

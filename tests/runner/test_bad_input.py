@@ -21,7 +21,7 @@ from lit_speed.models.mlp import MLPClassifier
 from lit_speed.run_contract import BatchConsumer, BatchSource
 from lit_speed.run.run_checks import check_activation_memory
 from lit_speed.run.runner import build, train
-from tests.helpers.repo import CONF
+from tests.helpers.repo import CONF, compose_config
 
 DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
@@ -122,7 +122,8 @@ PREFLIGHT_CASES = {
     "seed=abc": r"seed='abc': expected an integer or null\. Fix: seed=42",
     "init=weights": r"init\.path=\?\?\?: required, and not given\. Fix: init\.path=<a value>",
     "model=hf_causal_lm": r"does not fit model \(HFCausalLM\): it yields 'features->class' batches, HFCausalLM takes "
-                          r"'tokenizer-ids->next-token'\. Fix: model=mlp, or data=text_folder$",
+                          r"'tokenizer-ids->next-token'\. Fix: model=mlp, or data=text_folder, or experiment=finetune_1b_lora "
+                          r"\(data=text_folder model=hf_causal_lm\)$",
 }
 
 
@@ -214,6 +215,28 @@ def test_resume_with_another_optimizer_names_what_does_not_match(make_cfg, adamw
     assert summary["global_step"] == 4
 
 
+@pytest.mark.parametrize("strategy", ["zero2", "zero2_offload"])
+def test_a_low_bit_optimizer_under_zero_is_refused_naming_the_fix(make_cfg, strategy):
+    # zero2_offload would swap in cpu_adam; an explicit optimizer= wins, and ZeRO refuses it before its engine
+    with pytest.raises(ConfigError, match=r"^strategy: ZeroStrategy: AdamW8bit cannot train under DeepSpeed ZeRO: .*"
+                                          r"Fix: strategy=auto or strategy=ddp to keep AdamW8bit, or a ZeRO strategy "
+                                          r"with optimizer=adamw \(offload: optimizer=cpu_adam\)$"):
+        train(make_cfg([f"strategy={strategy}", "optimizer=adamw8bit", *SHORT]))
+
+
+def test_resume_across_low_bit_and_whole_state_optimizers_is_refused(make_cfg, adamw_checkpoint, tmp_path):
+    # the param groups tell whose state it is (AdamW8bit.load_state_dict also refuses a whole moment: tests/optim)
+    with pytest.raises(ConfigError, match=r"written with another optimizer \(its state lacks state_bits\)\. Fix: the "
+                                          r"optimizer= of the run that wrote it"):
+        train(make_cfg([*SHORT, "optimizer=adamw8bit", f"ckpt_path={adamw_checkpoint}"]))
+    train(compose_config([*SHORT, "callbacks=model_checkpoint", "optimizer=adamw8bit"], tmp_path / "low_bit"))
+    low_bit = tmp_path / "low_bit" / "checkpoints" / "last.ckpt"
+    assert torch.load(low_bit, weights_only=True)["optimizer_states"][0]["param_groups"][0]["state_bits"] == 8
+    with pytest.raises(ConfigError, match=r"written with another optimizer \(its state carries state_bits, which this "
+                                          r"optimizer does not keep\)\. Fix: the optimizer= of the run that wrote it"):
+        train(make_cfg([*SHORT, "trainer.max_epochs=2", f"ckpt_path={low_bit}"]))
+
+
 @pytest.mark.slow  # the first use JIT-builds DeepSpeed's CPU Adam (~2 min, then cached)
 def test_offload_option_alone_runs_with_cpu_adam(tmp_path):
     from tests.helpers.repo import run_train_script
@@ -238,6 +261,9 @@ PRESET_SWITCHES = {
                                               r"~optimizer\.momentum to drop them \(.*lr.*\), or optimizer=<muon> "
                                               r"\(takes them\)$",
     "experiment=charlm_fast optimizer=sgd": rf"^optimizer\.adamw_lr=[\d.]+: SGD {TAKES_NO}\. Fix: ~optimizer\.adamw_lr",
+    "experiment=charlm_fast optimizer=adamw8bit": r"^optimizer\.adamw_lr=[\d.]+, optimizer\.momentum=[\d.]+: AdamW8bit "
+                                                 r"takes no arguments 'adamw_lr', 'momentum' \(it takes: .*block_size.*\)"
+                                                 r".*Fix: ~optimizer\.adamw_lr ~optimizer\.momentum",
     "experiment=charlm_fast optimizer=adamw ~optimizer.adamw_lr ~optimizer.momentum optimizer.lr=0.003": None,  # runs
     "experiment=charlm_fast optimizer=sgd ~optimizer.adamw_lr": None,
     "experiment=charlm_fast precision=32-true": None,
@@ -271,6 +297,12 @@ def test_switching_a_presets_component_runs_or_stops_in_one_line(make_cfg, comma
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
+    (["peft=lora", "peft.export_format=zip"], r"peft\.export_format='zip': PEFTAdapters\(export_format='zip'\): "
+                                              r"must be one of auto, hf, state_dict\. Fix: export_format=auto"),
+    (["callbacks=[activation_checkpointing]"], r"^callbacks\.activation_checkpointing\.modules=\['decoder-layers'\]: "
+                                               r"ActivationCheckpointing\(modules=\['decoder-layers'\]\): modules=\["
+                                               r"decoder-layers\]: MLPClassifier has no decoder layers .*Fix: name the "
+                                               r"block class to checkpoint, e\.g\. modules=\[Block\]$"),
     (["peft=lora", "peft.target_modules=[qvk]"], r"peft\.target_modules=\['qvk'\]: PEFTAdapters\(target_modules="
                                                   r"\['qvk'\]\): 'qvk' matches no module name or class of "
                                                   r"MLPClassifier\. Module names: net, train_acc, val_acc\. Classes: "
@@ -288,6 +320,32 @@ def test_fine_tuning_options_are_refused_before_training_naming_the_setting(make
     assert not (tmp_path / "checkpoints").exists(), "a training step ran"
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["callbacks=[chunked_loss]"], r"^callbacks\.chunked_loss: ChunkedLMLoss: MLPClassifier holds no Hugging Face causal "
+                                   r"LM and has no use_chunked_loss\(chunk_bytes\) method .*Fix: drop chunked_loss"),
+    (["callbacks=[return_freed_memory]", "callbacks.return_freed_memory.threshold_kib=0"],
+     r"^callbacks\.return_freed_memory\.threshold_kib=0: ReturnFreedMemory\(threshold_kib=0\): an int in 1\.\.32768 "
+     r".*Fix: threshold_kib=256$"),
+    (["experiment=charlm_cpu", "callbacks=[chunked_loss]", "callbacks.chunked_loss.chunk_mib=0"],
+     r"^callbacks\.chunked_loss\.chunk_mib=0: ChunkedLMLoss\(chunk_mib=0\): .*Fix: chunk_mib=128"),
+    # a bf16-held frozen base needs float32 module weights around it (the adapters) and no ZeRO
+    (["peft=lora", "peft.base_dtype=fp16"], r"^peft\.base_dtype='fp16': PEFTAdapters\(base_dtype='fp16'\): .*Fix: "
+                                            r"base_dtype=bf16"),
+    (["peft=lora", "peft.base_dtype=bf16", "precision=bf16-true"],
+     r"^peft\.base_dtype=bf16: PEFTAdapters\(base_dtype=bf16\): precision=bf16-true casts the whole module, adapters "
+     r"included, to bf16 .*Fix: precision=32-true or bf16-mixed"),
+    (["peft=lora", "peft.base_dtype=bf16", "precision=bf16-master"], r"precision=bf16-master casts the whole module"),
+    (["peft=lora", "peft.base_dtype=bf16", "precision=auto"], r"^peft\.base_dtype=bf16: .*precision=auto may choose "
+                                                              r"bf16-master"),
+    (["peft=lora", "peft.base_dtype=bf16", "strategy=zero2"], r"^peft\.base_dtype=bf16: .*DeepSpeed ZeRO casts and "
+                                                              r"partitions .*Fix: strategy=auto or ddp"),
+])
+def test_memory_levers_are_refused_before_training_naming_the_setting(make_cfg, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        train(make_cfg([*SHORT, *overrides]))
+    assert "\n" not in str(error.value)
+
+
 def test_resuming_adapters_without_the_peft_option_names_the_fix(make_cfg, tmp_path):
     train(make_cfg([*SHORT, "callbacks=model_checkpoint", "peft=lora"]))
     adapters = tmp_path / "checkpoints" / "last.ckpt"
@@ -297,3 +355,105 @@ def test_resuming_adapters_without_the_peft_option_names_the_fix(make_cfg, tmp_p
         train(make_cfg([*SHORT, "trainer.max_epochs=2", f"ckpt_path={adapters}"]))
     summary = train(make_cfg([*SHORT, "trainer.max_epochs=2", "peft=lora", f"ckpt_path={adapters}"]))
     assert summary["global_step"] == 4  # resumed: 2 more steps
+
+
+# ---- issue 33 (checks): tracebacks, silent acceptances and misleading lines a new user met ----------------------
+PREFLIGHT_CASES_33 = {
+    # D: a key given from the top level that lives under a group named its full path
+    "validation_budget.max_fraction=2": r"^validation_budget\.max_fraction=2: no key 'validation_budget' at the top "
+                                        r"level; it is callbacks\.validation_budget\.max_fraction, which the callbacks "
+                                        r"option validation_budget adds\. Fix: 'callbacks=\[default,validation_budget\]'"
+                                        r" callbacks\.validation_budget\.max_fraction=2$",
+    "lora.r=4": r"^lora\.r=4: no key 'lora' at the top level; lora is an option of the peft group\. Fix: peft=lora "
+                r"peft\.r=4$",
+}
+
+
+@pytest.mark.parametrize("override", list(PREFLIGHT_CASES_33))
+def test_a_nested_key_from_the_top_level_names_where_it_lives(override):
+    with pytest.raises(ConfigError, match=PREFLIGHT_CASES_33[override]):
+        preflight([override])
+
+
+def test_the_named_home_of_a_nested_key_is_a_fix_that_composes():
+    preflight(["callbacks=[default,validation_budget]", "callbacks.validation_budget.max_fraction=0.1"])
+    preflight(["peft=lora", "peft.r=4"])
+
+
+@pytest.mark.parametrize("text", ["_target_: foo\n  bad: [yaml\n", "_target_: a.b\nx: [1, 2\ny: 3\n"])
+def test_an_own_config_file_that_is_not_yaml_names_the_option_the_file_and_the_line(tmp_path, text):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "broken.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=rf"^model=broken: {tmp_path}/model/broken\.yaml is not valid YAML \(.*, "
+                                          r"line \d+, column \d+.*\)\. Fix: correct that line of the file"):
+        preflight(["--config-dir", str(tmp_path), "model=broken"])
+
+
+# override(s) -> the one line (each refused before the first training batch; the last column: what it used to do)
+TRAIN_CASES_33 = {
+    "data.batch_transform=foo": r"^data\.batch_transform='foo': DigitsDataModule\(batch_transform='foo'\): must be a "
+                                r"function batch -> batch or None, got a str\. Fix: .*data\.batch_transform=\{_target_:",
+    # (a TypeError at the first batch)
+    "precision.threads=1000": r"^precision\.threads=1000: GuardedPrecision\(threads=1000\): more than the \d+ CPU "
+                              r"core\(s\) this process may run on .*Fix: threads=\d+ \(or fewer\)",  # (ran 3.5x slower)
+    "accumulation=ramp accumulation.effective_batch=[[0,100]]":
+        r"^accumulation\.effective_batch=\{0: 100\}: AccumulationScheduler\(effective_batch=\{0: 100\}\): "
+        r"effective_batch\[0\] = 100 is not divisible by micro_batch \(64\) x world size \(1\) = 64; use 64 or 128",
+    # (trained at 64)
+    "peft=lora +peft.options.use_foo=true": r"^peft\.options=\{'use_foo': True\}: PEFTAdapters\(options=\{'use_foo': "
+                                            r"True\}\): 'use_foo' is not an argument of peft's LoraConfig\. Did you mean "
+                                            r"use_dora\? It takes: .*use_rslora.*Fix: drop it \(~peft\.options\.use_foo\)",
+    # (blamed peft.target_modules)
+    "peft=lora +peft.options.lora_alpha=4": r"'lora_alpha' is PEFTAdapters' own argument 'alpha'.*Fix: peft\.alpha=4",
+    "peft=lora +peft.options.init_lora_weights=foo": r"^peft\.options=.*peft refused init_lora_weights \(Unknown "
+                                                     r"initialization.*Fix: .*~peft\.options\.init_lora_weights",
+}
+
+
+@pytest.mark.parametrize("command", list(TRAIN_CASES_33))
+def test_issue_33_commands_stop_in_one_line_before_training(make_cfg, tmp_path, command):
+    with pytest.raises(ConfigError, match=TRAIN_CASES_33[command]) as error:
+        preflight(command.split())
+        train(make_cfg([*command.split(), *SHORT, "callbacks=model_checkpoint"]))
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "checkpoints").exists(), "a training step ran"
+
+
+def test_an_export_folder_that_cannot_be_written_is_refused_before_training(make_cfg, tmp_path):
+    # (was a FileNotFoundError at the merged export, after training)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=rf"^peft\.export_dir={tmp_path}/a_file/merged: PEFTAdapters\(export_dir="
+                                          r".*\): the merged model could not be written there after training \(Not a "
+                                          r"directory: .*\)\. Fix: export_dir=<a folder you can write to> "
+                                          r"\(peft\.export_dir=\.\.\.\), or export=false"):
+        train(make_cfg([*SHORT, "callbacks=model_checkpoint", "peft=lora", f"peft.export_dir={tmp_path}/a_file/merged"]))
+    assert not (tmp_path / "checkpoints").exists(), "a training step ran"
+
+
+@pytest.fixture
+def other_model_weights(tmp_path):
+    """A state_dict of another model that shares one tensor (name and shape) with the MLP: its first layer."""
+    mlp = MLPClassifier()
+    first = next(k for k in mlp.state_dict() if k.endswith("weight"))
+    path = tmp_path / "other.pt"
+    torch.save({first: mlp.state_dict()[first].clone(), "encoder.layers.0.weight": torch.zeros(3, 3),
+                "encoder.layers.1.weight": torch.zeros(3, 3)}, path)
+    return path, len(mlp.state_dict())
+
+
+def test_init_weights_of_another_model_says_how_many_match_and_does_not_suggest_strict_false(make_cfg,
+                                                                                             other_model_weights):
+    path, n = other_model_weights
+    with pytest.raises(ConfigError, match=rf"^init\.path={path}: InitWeights\(path={path}\): only 1 of MLPClassifier's "
+                                          rf"{n} tensors match the file's 3 by name and shape: it holds another model "
+                                          r".*Fix: weights written by this model") as error:
+        train(make_cfg([*SHORT, "init=weights", f"init.path={path}"]))
+    assert "strict=false" not in str(error.value)
+
+
+def test_init_weights_of_another_model_with_strict_false_warns_that_most_train_from_random(make_cfg,
+                                                                                           other_model_weights):
+    path, n = other_model_weights
+    with pytest.warns(UserWarning, match=rf"only 1 of the model's {n} tensors were in the file; the rest trains from "
+                                         "its random initialisation"):
+        train(make_cfg([*SHORT, "init=weights", f"init.path={path}", "init.strict=false"]))

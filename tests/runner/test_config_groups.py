@@ -27,6 +27,12 @@ def _required_values(group: str, option: str, make_cfg, tmp_path) -> list[str]:
 
         folder = save_tiny_causal_lm(tmp_path / "hf")
         return ["data=text_folder", "model=hf_causal_lm", f"model.pretrained={folder}", f"data.root={STDLIB / 'json'}"]
+    if (group, option) == ("experiment", "finetune_1b_lora"):
+        # the preset names a 1B folder that benchmarks/model_folders.py builds (minutes, 5 GB); a tiny folder of the
+        # same family stands in so that a clean checkout composes and instantiates everything else the preset sets
+        from tests.helpers.tiny_hf import save_tiny_causal_lm
+
+        return [f"model.pretrained={save_tiny_causal_lm(tmp_path / 'hf', max_positions=512)}"]
     if (group, option) in (("init", "weights"), ("experiment", "charlm_finetune")):
         base = ["experiment=charlm_cpu"] if option == "charlm_finetune" else []
         weights = tmp_path / "weights.pt"  # instead of the preset's pretraining run (scripts/train.py, ~1 min)

@@ -20,13 +20,16 @@ from lit_speed import AccumulationScheduler, GuardedPrecision
 from lit_speed.run.config_check import preflight
 from lit_speed.data.charlm import CharLMDataModule
 from lit_speed.data.digits import DigitsDataModule
+from lit_speed.data.text_folder import TextFolderDataModule
 from tests.helpers.repo import CONF, ROOT, docs_text
 
 README = docs_text()  # the top README and the component cards
 
 # group -> (the options a README key of the group applies to, as overrides; the component class they build)
 GROUPS = {
-    "data": {"digits": (["data=digits"], DigitsDataModule), "charlm": (["experiment=charlm_cpu"], CharLMDataModule)},
+    "data": {"digits": (["data=digits"], DigitsDataModule), "charlm": (["experiment=charlm_cpu"], CharLMDataModule),
+             "text_folder": (["data=text_folder", "model=hf_causal_lm", "model.pretrained=/path/to/hf_folder",
+                              "data.root=/path/to/texts"], TextFolderDataModule)},
     "precision": {p.stem: ([f"precision={p.stem}"], GuardedPrecision) for p in sorted((CONF / "precision").glob("*.yaml"))},
     "accumulation": {o: ([f"accumulation={o}"], AccumulationScheduler) for o in ("fixed", "ramp")},
 }

@@ -36,7 +36,20 @@ def test_charlm_beats_unigram_baseline_in_200_steps(make_cfg):
     assert summary["tokens"] == 200 * 12 * 64
 
 
-@pytest.mark.parametrize("experiment", [None, *EXPERIMENTS])
+#: presets that need a model folder built first (benchmarks/model_folders.py): slow tier, skipped without the folder
+NEEDS_FOLDER = {"finetune_1b_lora": CONF.parent / ".cache" / "model_folders" / "llama-3.2-1b"}
+
+
+def _preset(name: str) -> object:
+    folder = NEEDS_FOLDER.get(name)
+    if folder is None:
+        return name
+    return pytest.param(name, marks=[pytest.mark.slow, pytest.mark.skipif(
+        not (folder / "config.json").is_file(), reason=f"needs {folder} (python benchmarks/model_folders.py "
+                                                       f"{folder.name}: a 2.5 GB folder, minutes to build)")])
+
+
+@pytest.mark.parametrize("experiment", [None, *map(_preset, EXPERIMENTS)])
 def test_train_script_fast_dev_run(tmp_path, experiment):
     args = ["trainer.fast_dev_run=true", f"hydra.run.dir={tmp_path}"]
     if experiment:

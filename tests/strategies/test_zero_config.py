@@ -209,3 +209,12 @@ def test_describe_rows_without_and_with_a_model() -> None:
     model = torch.nn.Linear(1000, 1000)  # 1,001,000 parameters, fp32: 16 bytes each without sharding
     rows = strategy.describe(model)["zero model states / rank"]
     assert "= 15.3 MiB" in rows and "DDP: 15.3 MiB" in rows  # one rank: ZeRO shards nothing
+
+
+def test_describe_counts_a_frozen_base_in_the_parameters_every_rank_holds() -> None:
+    # issue 33: under adapters the row counted the trainable parameters only (292 KiB of a 3.8 MiB model)
+    strategy = ZeroStrategy(stage=2)
+    model = torch.nn.Linear(1000, 1000)
+    model.weight.requires_grad_(False)  # 1,000,000 frozen, 1,000 trainable
+    row = strategy.describe(model)["zero model states / rank"]
+    assert row.startswith("1,000 trainable + 1,000,000 frozen parameters: params 3.8 MiB + grads 3.9 KiB + "), row

@@ -1,0 +1,281 @@
+"""Real size: fine-tuning open-model-sized folders with lit_speed beside Hugging Face's Trainer and plain Lightning.
+
+    python benchmarks/bench_real_size.py --suite speed      # issue 31: 0.5B LoRA + full, launch to exported model
+    python benchmarks/bench_real_size.py --suite memory     # issue 32: 1B LoRA r=16, 0.5B full and LoRA, peak RSS
+    python benchmarks/bench_real_size.py --rows lora05/lit_speed,lora05/trainer --steps 2   # some rows
+    python benchmarks/bench_real_size.py --list             # the rows and their commands
+
+Model folders: ``model_folders.py`` (Qwen2.5-0.5B and Llama-3.2-1B dimensions, random weights, a tokenizer trained
+here). Corpus: the installed Lightning package's source, tokenised once by lit_speed (cached). Every row is a fresh
+process under ``/usr/bin/time -v`` (peak RSS of the process, wall, user/system seconds, page faults) and trains the
+same windows in the same order, from the same adapter initialisation (``real_size_peers.py`` explains how; each row
+records the hash of its first batch and its loss at every step, compared in the result).
+
+Per row: launch to end (= exported model), the time split (start-up, model load, adapters, data, sanity/validation,
+training, checkpoints, export), steady tokens/s (steps after the first two), MFU (model FLOPs of the step against
+the measured matmul peak of the dtype in use on this machine: fp32, or bf16 where the row computes in bf16), peak
+RSS, and the ratios against the Trainer row of the same group, measured in the same run. Rows run one after the
+other with nothing else on the machine (the load average is recorded before and after). Result: JSON in
+``benchmarks/results/real_size_<suite>.json``, a dated line in ``LOG.md``, a PNG beside the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, ROOT, machine, write_result  # noqa: E402
+from model_folders import SPECS, build  # noqa: E402
+
+WORK = ROOT / ".cache" / "bench_real_size"
+LORA_TARGETS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
+WARMUP = 2
+
+
+def lightning_source() -> str:
+    from lit_speed.data.charlm import source_root
+
+    return str(source_root("lightning"))
+
+
+def lit_command(model: str, mode: str, steps: int, block: int, micro: int, r: int, lr: float, extra: list[str],
+                out: Path) -> list[str]:
+    """``scripts/train.py`` for a row: the same model, data, batches, optimizer and constant LR as the peers."""
+    base = ["model=hf_causal_lm", "data=text_folder", f"model.pretrained={build(model)}",
+            f"data.root={lightning_source()}", f"data.block_size={block}", f"data.batch_size={micro}",
+            f"trainer.max_steps={steps}", "optimizer.lr=" + str(lr), "model.scheduler=null", "logger=none",
+            "trainer.enable_progress_bar=false", f"hydra.run.dir={out}",
+            "+callbacks.bench._target_=real_size_recorder.StepRecorder", f"+callbacks.bench.out={out}/steps.json"]
+    if mode == "lora":
+        base += ["peft=lora", f"peft.target_modules={LORA_TARGETS}", f"peft.r={r}", f"peft.alpha={2 * r}",
+                 f"peft.export_dir={out}/merged"]
+    return [sys.executable, str(ROOT / "scripts" / "train.py"), *base, *extra]
+
+
+def peer_command(tool: str, model: str, mode: str, flags: str, steps: int, block: int, micro: int, r: int, lr: float,
+                 out: Path) -> list[str]:
+    return [sys.executable, str(ROOT / "benchmarks" / "real_size_peers.py"), tool, "--model", str(build(model)),
+            "--data-root", lightning_source(), "--mode", mode, "--flags", flags, "--steps", str(steps),
+            "--block", str(block), "--micro", str(micro), "--r", str(r), "--lr", str(lr), "--out", str(out / "row.json")]
+
+
+#: lit_speed's levers per row, as Hydra overrides (what a user types). Filled from the components that exist.
+LIT_LORA: list[str] = ["callbacks=[default,chunked_loss]"]
+LIT_FULL: list[str] = ["peft=none", "optimizer=adamw_fused"]
+LIT_MEMORY_LORA: list[str] = ["peft.base_dtype=bf16",
+                               "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
+LIT_MEMORY_FULL: list[str] = ["peft=none", "optimizer=adamw8bit",
+                              "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
+
+#: name -> (group, model, mode, r, kind, spec): kind "lit" (spec: extra overrides) or a peer tool (spec: its flags)
+SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
+    "speed": {
+        "lora05/trainer": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "speed"),
+        "lora05/lightning": ("lora05", "qwen2.5-0.5b", "lora", 8, "lightning", "speed"),
+        "lora05/lit_speed": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA),
+        "full05/trainer": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "speed"),
+        "full05/lit_speed": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL),
+    },
+    "memory": {
+        "lora1b/trainer": ("lora1b", "llama-3.2-1b", "lora", 16, "trainer", "memory"),
+        "lora1b/lightning": ("lora1b", "llama-3.2-1b", "lora", 16, "lightning", "speed"),
+        "lora1b/lit_speed": ("lora1b", "llama-3.2-1b", "lora", 16, "lit", LIT_MEMORY_LORA),
+        "lora05/trainer": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "memory"),
+        "lora05/lit_speed": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_MEMORY_LORA),
+        "full05/trainer_default": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "default"),
+        "full05/trainer": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "memory"),
+        "full05/lit_speed": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_MEMORY_FULL),
+    },
+}
+
+
+def flops_per_token(model: str, block: int, mode: str) -> float:
+    """Model FLOPs of one training token: forward 2N (N = matmul weights, the LM head included) plus attention
+    (4 x layers x block x hidden: QK^T and AV over the whole window), the input gradients as much again, and the
+    weight gradients (2N) when every weight trains; LoRA's own matmuls are below 1% and left out."""
+    s = SPECS[model]
+    h, i, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
+    head_dim = s.get("head_dim", h // s["num_attention_heads"])
+    kv = s["num_key_value_heads"] * head_dim
+    q = s["num_attention_heads"] * head_dim
+    n = layers * (2 * h * q + 2 * h * kv + 3 * h * i) + h * vocab
+    forward = 2 * n + 4 * layers * block * q
+    return forward * 2 + (2 * n if mode == "full" else 0)
+
+
+def matmul_peak(dtype: str, size: int = 2048, repeats: int = 5) -> float:
+    """Measured GEMM FLOP/s of ``dtype`` at ``size``^2 with this process's threads (median of ``repeats``)."""
+    import statistics
+
+    import torch
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    a, b = torch.randn(size, size, dtype=dt), torch.randn(size, size, dtype=dt)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def time_v(stderr: str) -> dict[str, float]:
+    """The numbers ``/usr/bin/time -v`` printed."""
+    fields = {"Maximum resident set size (kbytes)": ("peak_rss_bytes", 1024), "User time (seconds)": ("user_s", 1),
+              "System time (seconds)": ("sys_s", 1), "Minor (reclaiming a frame) page faults": ("minor_faults", 1)}
+    out: dict[str, float] = {}
+    for line in stderr.splitlines():
+        key, _, value = line.strip().rpartition(": ")
+        if key in fields:
+            name, scale = fields[key]
+            out[name] = float(value) * scale
+    return out
+
+
+def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
+    group, model, mode, r, kind, extra = spec
+    out = WORK / name.replace("/", "_")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    if kind == "lit":
+        cmd = lit_command(model, mode, args.steps, args.block, args.micro, r, args.lr, list(extra), out)
+    else:
+        cmd = peer_command(kind, model, mode, extra, args.steps, args.block, args.micro, r, args.lr, out)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "HYDRA_FULL_ERROR": "1"}
+    start = time.time()
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env, cwd=ROOT)
+    wall = time.time() - start
+    row: dict[str, Any] = {"name": name, "group": group, "model": model, "mode": mode, "r": r, "tool": kind,
+                           "command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": round(wall, 2),
+                           **time_v(proc.stderr)}
+    (out / "stdout.txt").write_text(proc.stdout)
+    (out / "stderr.txt").write_text(proc.stderr)
+    if proc.returncode != 0:
+        row["error"] = proc.stderr[-2000:]
+        return row
+    if kind == "lit":
+        summary = json.loads((out / "summary.json").read_text())
+        steps = json.loads((out / "steps.json").read_text())
+        row.update(step_s=steps["step_s"], loss=steps["loss"], first_batch_sha=steps["first_batch_sha"],
+                   phases=summary["time_split_s"], launch_to_end_s=summary["launch_to_end_s"],
+                   settings={"precision": summary["startup"].get("precision"), "startup": summary["startup"]})
+    else:
+        record = json.loads((out / "row.json").read_text())
+        row.update(step_s=record["step_s"], loss=record["loss"], first_batch_sha=record["first_batch_sha"],
+                   phases=record["phases"], launch_to_end_s=record["launch_to_end_s"], settings=record["settings"])
+    tokens = args.micro * args.block
+    timed = row["step_s"][WARMUP:] if len(row["step_s"]) > WARMUP else row["step_s"]
+    row["steady_tokens_per_s"] = round(tokens * len(timed) / sum(timed), 2)
+    row["median_step_s"] = round(sorted(timed)[len(timed) // 2], 3)
+    bf16 = "bf16" in json.dumps(row.get("settings", {})).lower() and "true" in json.dumps(row["settings"]).lower()
+    peak = args.peaks["bf16" if bf16 and "bf16" in args.peaks else "fp32"]
+    row["mfu"] = round(flops_per_token(model, args.block, mode) * row["steady_tokens_per_s"] / peak, 4)
+    return row
+
+
+def compare(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Ratios of each row to its group's Trainer row (``<group>/trainer``), and the loss agreement."""
+    out: dict[str, dict[str, Any]] = {}
+    by_name = {r["name"]: r for r in rows if r.get("exit") == 0}
+    for row in by_name.values():
+        ref = by_name.get(f"{row['group']}/trainer")
+        if ref is None or ref is row:
+            continue
+        losses = [abs(a - b) for a, b in zip(row["loss"], ref["loss"])]
+        out[row["name"]] = {
+            "launch_to_end_x": round(row["wall_s"] / ref["wall_s"], 3),
+            "steady_tokens_per_s_x": round(row["steady_tokens_per_s"] / ref["steady_tokens_per_s"], 3),
+            "peak_rss_x": round(row["peak_rss_bytes"] / ref["peak_rss_bytes"], 3),
+            "same_batches": row["first_batch_sha"] == ref["first_batch_sha"],
+            "max_loss_diff": round(max(losses), 5) if losses else None,
+        }
+    return out
+
+
+def picture(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("exit") == 0]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(ok) + 2))
+    names = [r["name"] for r in ok]
+    axes[0].barh(names, [r["peak_rss_bytes"] / 2**30 for r in ok])
+    axes[0].set_xlabel("peak RSS (GiB)")
+    left = [0.0] * len(ok)
+    phases = sorted({p for r in ok for p in r["phases"]})
+    for phase in phases:
+        values = [r["phases"].get(phase, 0.0) for r in ok]
+        axes[1].barh(names, values, left=left, label=phase)
+        left = [a + b for a, b in zip(left, values)]
+    axes[1].set_xlabel("seconds from launch (by phase)")
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=sorted(SUITES), default="speed")
+    parser.add_argument("--rows", default="", help="comma-separated row names of the suite (default: all)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--block", type=int, default=512)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--tag", default="", help="suffix of the result's name")
+    parser.add_argument("--no-write", action="store_true", help="print the rows, write no result (exploration)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    suite = SUITES[args.suite]
+    names = [n for n in args.rows.split(",") if n] or list(suite)
+    unknown = [n for n in names if n not in suite]
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; the {args.suite} suite has {list(suite)}")
+    if args.list:
+        for n in names:
+            print(n, suite[n])
+        return
+    info = machine()
+    print(f"machine: {info.get('cpu')} {info.get('cpu_id')} bf16 kernels: {info.get('mkldnn_bf16')}", flush=True)
+    load_before = os.getloadavg()
+    args.peaks = {"fp32": matmul_peak("fp32")}
+    if info.get("mkldnn_bf16"):
+        args.peaks["bf16"] = matmul_peak("bf16")
+    print(f"matmul peak GFLOP/s: { {k: round(v / 1e9, 1) for k, v in args.peaks.items()} }", flush=True)
+    rows = []
+    for name in names:
+        row = run_row(name, suite[name], args)
+        rows.append(row)
+        print(json.dumps({k: row.get(k) for k in ("name", "exit", "wall_s", "peak_rss_bytes", "steady_tokens_per_s",
+                                                  "mfu", "phases", "loss")}, default=str), flush=True)
+    load_after = os.getloadavg()
+    ratios = compare(rows)
+    print(json.dumps(ratios, indent=1))
+    name = f"real_size_{args.suite}{args.tag}"
+    results = {"rows": rows, "ratios": ratios, "steps": args.steps, "block": args.block, "micro": args.micro,
+               "lr": args.lr, "matmul_peak_flops": args.peaks, "load_before": load_before, "load_after": load_after}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    if args.no_write:
+        return
+    picture(rows, RESULTS / f"{name}.png")
+    line = "; ".join(f"{k}: launch-to-end x{v['launch_to_end_x']}, tokens/s x{v['steady_tokens_per_s_x']}, peak RSS "
+                     f"x{v['peak_rss_x']}" for k, v in ratios.items()) or "no ratios (a reference row is missing)"
+    line += "; " + ", ".join(f"{r['name']} {r.get('peak_rss_bytes', 0) / 2**30:.2f} GiB {r['wall_s']:.0f} s"
+                             + ("" if r.get("exit") == 0 else " FAILED") for r in rows)
+    line += f"; load {load_before[0]:.1f} -> {load_after[0]:.1f}"
+    write_result(name, results, line)
+
+
+if __name__ == "__main__":
+    main()

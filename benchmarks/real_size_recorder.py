@@ -1,0 +1,47 @@
+"""A callback ``bench_real_size.py`` adds to lit_speed's rows (``+callbacks.bench._target_=real_size_recorder.
+StepRecorder``): the loss and seconds of every training batch and the SHA-256 of the first batch, as the peers
+(``real_size_peers.py``) record them, written as one JSON at the end of fit."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+
+class StepRecorder(Callback):
+    """Per-batch loss and seconds, the first batch's hash.
+
+    Args:
+        out: The JSON file to write.
+    """
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.record: dict[str, Any] = {"step_s": [], "loss": [], "first_batch_sha": None}
+        self._start = 0.0
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        if self.record["first_batch_sha"] is None:
+            x = batch[0] if isinstance(batch, (list, tuple)) else batch
+            self.record["first_batch_sha"] = hashlib.sha256(x.cpu().numpy().tobytes()).hexdigest()[:16]
+        self._start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.record["step_s"].append(time.perf_counter() - self._start)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.record["loss"].append(float(loss.detach()) if loss is not None else None)
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if trainer.is_global_zero:
+            Path(self.out).write_text(json.dumps(self.record, indent=1))

@@ -1,0 +1,234 @@
+"""A frozen base held in bf16 under adapters, computed in float32 or bf16, whichever is faster here.
+
+The functional core of ``PEFTAdapters(base_dtype="bf16")``; usable without Lightning::
+
+    add_adapters(model, "lora", ["all-linear"])            # the base is frozen, the adapters float32
+    lowered = lower_frozen_base(model, compute="fp32")     # frozen Linear/Embedding weights now bf16: half the bytes
+
+*Held* and *computed* are separate: on a CPU without native bf16 kernels (AVX512-BF16/AMX) a bf16 matmul is 50-500x
+slower than a float32 one, so ``compute="fp32"`` casts each frozen weight to float32 just for its own matmul (one
+layer's transient copy, never the whole model) and backward casts again from the stored bf16 weight instead of
+keeping a float32 copy; ``compute="bf16"`` runs the matmul in bf16 (fast on Zen4/Zen5/AMX). Activations stay in
+the precision mode's dtype either way. :func:`choose_base_compute` decides ``auto`` by timing both on this model's
+largest frozen layer (``lit_speed.tuning.measured_choice``, cached per machine).
+
+Only frozen weights of plain ``nn.Linear``, ``nn.Embedding`` and Hugging Face ``Conv1D`` modules are lowered
+(subclasses may compute more than their class, e.g. a scaled embedding: they stay float32); 1-D tensors (biases,
+norms) stay float32. Tied weights are one tensor and are lowered once. Adapters, their gradients and the
+optimizer's state stay float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_speed.compat.torch import cpu_has_native_bf16
+from lit_speed.tuning import Decision, measured_choice
+
+_ATTR = "_lit_speed_low_precision"
+BASE_DTYPES = {"bf16": torch.bfloat16}
+COMPUTES = ("auto", "fp32", "bf16")
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _kind(module: nn.Module) -> str | None:
+    if type(module) is nn.Linear:
+        return "linear"
+    if type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor):
+        return "conv1d"  # Hugging Face GPT-2's Linear: weight [in, out], y = x @ W + b
+    if type(module) is nn.Embedding:
+        return "embedding"
+    return None
+
+
+class _UpcastMatmul(torch.autograd.Function):
+    """``x @ W.T + b`` with a low-precision frozen ``W`` cast to ``x``'s dtype for this matmul only; backward casts
+    again from the stored ``W`` (no float32 copy is kept between forward and backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                transposed: bool) -> torch.Tensor:
+        if ctx.needs_input_grad[1]:
+            raise RuntimeError("a low-precision frozen weight requires grad: unfreeze it before lowering the base "
+                               "(lit_speed.finetune.frozen_base lowers frozen weights only)")
+        w = weight.to(x.dtype)
+        ctx.save_for_backward(weight)
+        ctx.transposed = transposed
+        ctx.bias_shape = None if bias is None else bias.shape
+        return F.linear(x, w.t() if transposed else w, None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (weight,) = ctx.saved_tensors
+        w = weight.to(grad.dtype)
+        grad_x = grad @ (w.t() if ctx.transposed else w) if ctx.needs_input_grad[0] else None
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_b, None
+
+
+class _LowPrecisionForward:
+    """Replaces ``forward`` on the instance (``state_dict`` keys unchanged); ``compute`` may change after wrapping.
+
+    It keeps a reference to its module (not a bound method), so ``copy.deepcopy`` copies it along."""
+
+    def __init__(self, module: nn.Module, kind: str, compute: str) -> None:
+        self.module, self.kind, self.compute = module, kind, compute
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if self.kind == "embedding":  # gather the bf16 rows, then float32 activations
+            return F.embedding(x, m.weight, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq,
+                               m.sparse).float()
+        device = x.device.type
+        if self.compute == "bf16" or torch.is_autocast_enabled(device):
+            # the matmul in bf16 (autocast's dtype under a mixed mode casts the same way), the result in x's dtype
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.bfloat16
+            w = m.weight.to(dtype)
+            b = None if m.bias is None else m.bias.to(dtype)
+            y = F.linear(x.to(dtype), w.t() if self.kind == "conv1d" else w, b)
+            return y if torch.is_autocast_enabled(device) else y.to(x.dtype)
+        return _UpcastMatmul.apply(x, m.weight, m.bias, self.kind == "conv1d")
+
+
+@dataclass
+class LoweredBase:
+    """What :func:`lower_frozen_base` did: tensors lowered, their bytes before and after, the modules wrapped."""
+
+    tensors: int
+    bytes_before: int
+    bytes_after: int
+    modules: list[str]
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+
+def lower_frozen_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16, compute: str = "fp32") -> LoweredBase:
+    """Hold the frozen weights of ``model``'s Linear/Embedding/Conv1D modules in ``dtype``, in place.
+
+    The Parameter objects stay the same (optimizers, tied weights and hooks keep working); only their data changes.
+
+    Args:
+        model: Any module, after its adapters are in place (only tensors that do not require grad are lowered).
+        dtype: The storage dtype (``torch.bfloat16``).
+        compute: ``fp32`` (cast each weight for its own matmul) or ``bf16`` (native bf16 matmuls); see
+            :func:`set_base_compute` to change it later.
+
+    Raises:
+        ValueError: An unknown ``compute``.
+    """
+    if compute not in COMPUTE_DTYPES:
+        raise ValueError(f"lower_frozen_base(compute={compute!r}): one of {', '.join(COMPUTE_DTYPES)}")
+    lowered: dict[int, torch.Tensor] = {}
+    before = after = 0
+    names = []
+    for name, module in model.named_modules():
+        kind = _kind(module)
+        weight = getattr(module, "weight", None)
+        if kind is None or getattr(module, _ATTR, False) or not isinstance(weight, nn.Parameter) \
+                or weight.requires_grad or not weight.is_floating_point() or weight.dim() < 2:
+            continue
+        if id(weight) not in lowered and weight.dtype != dtype:
+            before += weight.numel() * weight.element_size()
+            weight.data = weight.data.to(dtype)
+            after += weight.numel() * weight.element_size()
+            lowered[id(weight)] = weight
+        module.forward = _LowPrecisionForward(module, kind, compute)
+        setattr(module, _ATTR, True)
+        names.append(name)
+    return LoweredBase(len(lowered), before, after, names)
+
+
+def set_base_compute(model: nn.Module, compute: str) -> int:
+    """Make every lowered module of ``model`` compute in ``compute`` (``fp32`` or ``bf16``); returns how many."""
+    if compute not in COMPUTE_DTYPES:
+        raise ValueError(f"set_base_compute(compute={compute!r}): one of {', '.join(COMPUTE_DTYPES)}")
+    wrapped = [m for m in model.modules() if getattr(m, _ATTR, False)]
+    for module in wrapped:
+        module.forward.compute = compute
+    return len(wrapped)
+
+
+def unwrap_frozen_base(model: nn.Module) -> int:
+    """Remove the forward wrappers of :func:`lower_frozen_base` (the weights keep their dtype); returns how many."""
+    wrapped = [m for m in model.modules() if getattr(m, _ATTR, False)]
+    for module in wrapped:
+        del module.forward
+        delattr(module, _ATTR)
+    return len(wrapped)
+
+
+def upcast_unlowered(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Cast every floating parameter and buffer of ``model`` held in bf16/fp16 to ``dtype``, except the weights
+    :func:`lower_frozen_base` lowered; returns how many tensors changed. A model read in bf16 from a bf16 file (to
+    skip a float32 copy of the whole base while loading) becomes the model read in float32 and then lowered."""
+    keep = {id(m.weight) for m in model.modules() if getattr(m, _ATTR, False)}
+    changed = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in keep or not tensor.is_floating_point() or tensor.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        tensor.data = tensor.data.to(dtype)
+        changed += 1
+    return changed
+
+
+def frozen_base_bytes(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """``(bytes now, bytes held in dtype)`` of the frozen weights :func:`lower_frozen_base` would lower: the planner's
+    question "what does a low-precision base save" (tied weights counted once)."""
+    seen: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if _kind(module) and isinstance(weight, nn.Parameter) and not weight.requires_grad \
+                and weight.is_floating_point() and weight.dim() >= 2:
+            seen[id(weight)] = weight
+    now = sum(w.numel() * w.element_size() for w in seen.values())
+    return now, sum(w.numel() * dtype.itemsize for w in seen.values())
+
+
+def _largest_linear(model: nn.Module) -> tuple[int, int] | None:
+    shapes = [tuple(m.weight.shape) for m in model.modules() if getattr(m, _ATTR, False)
+              and m.forward.kind != "embedding"]
+    return max(shapes, key=lambda s: s[0] * s[1]) if shapes else None
+
+
+def choose_base_compute(model: nn.Module, device: torch.device | str = "cpu", tokens: int = 256,
+                        measure: Callable[..., Decision] = measured_choice) -> Decision:
+    """``fp32`` or ``bf16`` for the lowered base of ``model``, measured on this machine where it matters.
+
+    Without native bf16 kernels (a CPU without AVX512-BF16/AMX, a GPU without bf16) bf16 is not timed (emulated
+    bf16 matmuls are 50-500x slower). Otherwise one forward and input-gradient matmul of the largest lowered layer
+    with ``tokens`` rows is timed both ways (``measure``: :func:`lit_speed.tuning.measured_choice`, cached per
+    machine and shape); ``fp32`` is kept unless bf16 is faster by the usual margin.
+    """
+    device = torch.device(device)
+    name = "peft.base_compute"
+    native = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_native_bf16()
+    if not native:
+        return Decision(name, "fp32", f"no native bf16 kernels on this {device.type}: bf16 matmuls would be "
+                                      "emulated (50-500x slower than float32); bf16 not timed")
+    shape = _largest_linear(model)
+    if shape is None:
+        return Decision(name, "fp32", "no lowered Linear layer to time")
+    out_features, in_features = shape
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(tokens, in_features, generator=gen).to(device).requires_grad_()
+    w = torch.randn(out_features, in_features, generator=gen).to(device, torch.bfloat16)
+    probe = nn.Linear(in_features, out_features, bias=False, device=device)
+    probe.weight.requires_grad_(False)
+    probe.weight.data = w
+
+    def run(compute: str) -> Callable[[], Any]:
+        forward = _LowPrecisionForward(probe, "linear", compute)
+
+        def call() -> None:
+            forward(x).sum().backward()
+            x.grad = None
+        return call
+
+    return measure(name, {"shape": [out_features, in_features], "tokens": tokens, "device": device.type},
+                   {"fp32": run("fp32"), "bf16": run("bf16")}, default="fp32")

@@ -1,0 +1,349 @@
+"""Will a Hugging Face fine-tune fit in this machine's RAM? Answered from the config, before any weight is read.
+
+:func:`estimate_run` predicts the process's peak RSS for ``model=hf_causal_lm`` runs
+(:mod:`lit_speed.memory.rss_estimate`: the process as it is, exact parameter counts from the architecture built on
+the meta device with the run's adapters, the optimizer's declared state, and a scaled probe of one step of the same
+architecture at 1-2 layers prepared with the run's levers). :func:`check_fits_memory` refuses a run that will not
+fit, naming the cheapest set of levers that would (:data:`LEVERS`, in order of what they cost in speed), and
+``scripts/plan.py`` prints the same estimate for every lever set.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import glob
+import json
+import os
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lit_speed.run.config_error import ConfigError
+
+
+@dataclass(frozen=True)
+class Levers:
+    """The memory settings of a run that the estimate follows."""
+
+    chunked_loss: bool = False
+    checkpointing: bool = False
+    base_bf16: bool = False      # LoRA/adapters: the frozen base held in bf16
+    low_bit_states: int = 0      # 8 or 4: torchao's AdamW states (full fine-tuning)
+    micro_batch: int = 1
+    lora: bool = False           # adapters (peft=lora) rather than every weight
+
+    def overrides(self, configured: "Levers", callbacks: list[str]) -> list[str]:
+        """The command-line settings that turn ``configured`` into these levers."""
+        out = []
+        extra = [name for flag, name in ((self.chunked_loss and not configured.chunked_loss, "chunked_loss"),
+                                         (self.checkpointing and not configured.checkpointing,
+                                          "activation_checkpointing")) if flag]
+        if extra:
+            out.append(f"'callbacks=[{','.join([*callbacks, *extra])}]'")
+        if self.lora and not configured.lora:
+            out.append("peft=lora")
+        if self.base_bf16 and not configured.base_bf16:
+            out.append("peft.base_dtype=bf16")
+        if self.low_bit_states and not configured.low_bit_states:
+            out.append(f"optimizer=adamw{self.low_bit_states}bit")
+        if self.micro_batch != configured.micro_batch:
+            out.append(f"data.batch_size={self.micro_batch} (with accumulation=fixed for the same effective batch)")
+        return out
+
+
+#: Levers tried, cheapest in speed first (each on top of the ones before): chunked loss (LoRA: faster, full
+#: fine-tuning: the head's gradient per chunk), a bf16-held frozen base / 8-bit optimizer states, checkpointing
+#: (one more forward per step), adapters instead of full fine-tuning (another method), then smaller micro-batches.
+LEVERS = ("chunked_loss", "base_bf16", "low_bit_states", "checkpointing", "lora")
+
+
+def _target(node: Any) -> str:
+    return str(node.get("_target_", "")) if isinstance(node, DictConfig) else ""
+
+
+def _callback_nodes(cfg: DictConfig) -> dict[str, DictConfig]:
+    node = cfg.get("callbacks")
+    if not isinstance(node, DictConfig):
+        return {}
+    if "_target_" in node:
+        return {"callback": node}
+    return {k: v for k, v in node.items() if isinstance(v, DictConfig) and "_target_" in v}
+
+
+def hf_folder(cfg: DictConfig) -> Path | None:
+    """The local model folder of a ``model=hf_causal_lm`` run (None for other models and hub ids)."""
+    model = cfg.get("model")
+    if not _target(model).endswith("HFCausalLM"):
+        return None
+    folder = Path(str(model.get("pretrained"))).expanduser()
+    return folder if (folder / "config.json").is_file() else None
+
+
+def configured_levers(cfg: DictConfig) -> Levers:
+    callbacks = [_target(v) for v in _callback_nodes(cfg).values()]
+    peft = cfg.get("peft")
+    lora = _target(peft).endswith("PEFTAdapters") and peft.get("method", "lora") != "freeze"
+    optimizer = _target(cfg.get("optimizer"))
+    bits = 8 if optimizer.endswith("AdamW8bit") else 4 if optimizer.endswith("AdamW4bit") else 0
+    return Levers(chunked_loss=any(t.endswith("ChunkedLMLoss") for t in callbacks)
+                  or cfg.model.get("loss_chunk_mib") is not None,
+                  checkpointing=any(t.endswith("ActivationCheckpointing") for t in callbacks),
+                  base_bf16=lora and peft.get("base_dtype") == "bf16", low_bit_states=bits,
+                  micro_batch=int(cfg.data.batch_size), lora=lora)
+
+
+def _adapter_args(cfg: DictConfig, lora: bool) -> dict[str, Any] | None:
+    peft = cfg.get("peft")
+    if _target(peft).endswith("PEFTAdapters"):
+        node = OmegaConf.to_container(peft, resolve=True)
+        return {k: node[k] for k in ("method", "target_modules", "r", "alpha", "dropout", "trainable_modules",
+                                     "options") if k in node}
+    return {"method": "lora", "target_modules": ["all-linear"], "r": 8, "alpha": 16.0} if lora else None
+
+
+def _prepare(hf: nn.Module, adapters: dict[str, Any] | None, levers: Levers) -> nn.Module:
+    """``hf`` inside a holder named as HFCausalLM names it, with the run's adapters and memory levers."""
+    from lit_speed.finetune.adapters import add_adapters
+    from lit_speed.finetune.frozen_base import lower_frozen_base
+    from lit_speed.memory.activation_checkpointing import checkpoint_modules
+    from lit_speed.memory.hf_chunked_loss import chunk_hf_loss
+
+    holder = nn.Module()
+    holder.model = hf
+    if adapters is not None:
+        add_adapters(holder, **adapters)
+    if levers.base_bf16 and hf.device.type != "meta":
+        lower_frozen_base(holder, compute="fp32")
+    if levers.chunked_loss and hf.device.type != "meta":
+        chunk_hf_loss(hf, check=False)
+    if levers.checkpointing and hf.device.type != "meta":
+        checkpoint_modules(holder, ["decoder-layers"])
+    holder.train()
+    return holder
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the estimate needs to know of the run, read once."""
+
+    config: Any
+    layers: int
+    vocab: int
+    tokens: int          # per micro-batch
+    block: int
+    frozen: int
+    trainable: int
+    file_bytes: int
+    file_dtype_bytes: int
+    precision: str
+    optimizer: Callable[..., torch.optim.Optimizer] | None
+
+
+def _small(config: Any, layers: int, vocab: int) -> Any:
+    small = copy.deepcopy(config)
+    text = small.get_text_config() if hasattr(small, "get_text_config") else small
+    text.num_hidden_layers, text.vocab_size = layers, vocab
+    for key in ("layer_types", "max_window_layers"):  # per-layer lists sized by the layer count
+        if isinstance(getattr(text, key, None), list):
+            setattr(text, key, getattr(text, key)[:layers])
+    return small
+
+
+def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
+    import hydra.utils
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_speed.memory.rss_estimate import count_parameters
+
+    config = AutoConfig.from_pretrained(folder)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    frozen, trainable = count_parameters(_prepare(hf, _adapter_args(cfg, levers.lora), levers))
+    files = glob.glob(str(folder / "*.safetensors")) + glob.glob(str(folder / "*.bin"))
+    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if cfg.get("optimizer") else None
+    from lit_speed.precision.modes import AUTO, BASELINE, TABLE
+
+    precision = cfg.precision.get("mode", cfg.precision.get("precision", BASELINE)) if cfg.get("precision") \
+        else BASELINE
+    if precision == AUTO or precision not in TABLE:  # auto decides at the first batch: float32 is its largest case
+        precision = BASELINE
+    return RunFacts(config, int(text.num_hidden_layers), int(text.vocab_size),
+                    int(cfg.data.batch_size) * int(cfg.data.block_size), int(cfg.data.block_size), frozen, trainable,
+                    sum(os.path.getsize(f) for f in files), 2 if "16" in dtype else 4, str(precision), optimizer)
+
+
+#: The probe's longest window: one sequence of the run's block, at most this long (its cost grows with it).
+PROBE_MAX_TOKENS = 512
+
+
+def probe_lengths(config: Any, block: int) -> tuple[int, int]:
+    """The probe's two window lengths: half the run's block and the block (at most :data:`PROBE_MAX_TOKENS`, and no
+    more than the model's learned positions: an index past them is an IndexError, not a measurement). A step's
+    peak is a maximum over time: at a few dozen tokens it sits where the gradients of a large embedding add up, at
+    the run's length where the logits are, so the probe measures at the run's length, not at a toy one."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    longest = min(block, PROBE_MAX_TOKENS, int(positions) if positions else block)
+    return max(longest // 2, 1), max(longest, 2)
+
+
+def generous_bound(facts: RunFacts, process: int) -> int:
+    """An upper bound of the peak RSS from the config alone, with no probe: every parameter float32 with a
+    gradient and AdamW state, activations at eager attention's widest (scores and probabilities of every head in
+    float32), the logits and their gradient several times over, all x1.5. When it fits, the probe is not run
+    (tiny models, small windows); when it does not, :func:`estimate_run` measures."""
+    text = facts.config.get_text_config() if hasattr(facts.config, "get_text_config") else facts.config
+    hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 4096)
+    inner = int(getattr(text, "intermediate_size", 0) or getattr(text, "ffn_dim", 0)
+                or getattr(text, "n_inner", 0) or 4 * hidden)
+    heads = int(getattr(text, "num_attention_heads", 0) or getattr(text, "n_head", 0) or 32)
+    params = facts.frozen + facts.trainable
+    state = params * 4 + facts.trainable * (4 + 8 + 8)
+    activations = facts.tokens * (facts.layers * (hidden * 80 + inner * 24 + heads * facts.block * 12)
+                                  + facts.vocab * 24)
+    return int(process + 1.5 * max(state + activations, params * 4 + facts.file_bytes))
+
+
+def _state_bytes(facts: RunFacts, levers: Levers, trainable: list[nn.Parameter]) -> float:
+    from lit_speed import state_bytes_per_param
+
+    if levers.low_bit_states:
+        from lit_speed.optim.low_bit import low_bit_state_bytes
+
+        return low_bit_state_bytes(1 << 20, levers.low_bit_states, 256 if levers.low_bit_states == 8 else 128,
+                                   torch.float32) / (1 << 20)
+    if facts.optimizer is None:
+        return 8.0  # a model's own optimizer: AdamW's two float32 moments assumed
+    declared = state_bytes_per_param(facts.optimizer([p for p in trainable][:1] or [nn.Parameter(torch.zeros(1))]))
+    return 8.0 if declared is None else float(declared)
+
+
+def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: int | None = None,
+                 facts: RunFacts | None = None) -> Any:
+    """The predicted peak RSS (:class:`~lit_speed.memory.rss_estimate.RSSEstimate`) of ``cfg`` with ``levers``
+    (default: the configured ones), or None when the run is not a local Hugging Face model folder."""
+    import psutil
+    from transformers import AutoModelForCausalLM
+
+    from lit_speed.memory.planner import measure_optimizer
+    from lit_speed.memory.rss_estimate import count_parameters, load_peak_bytes, predict_peak_rss, probe_scaled
+    from lit_speed.precision.modes import spec
+
+    folder = hf_folder(cfg)
+    if folder is None:
+        return None
+    configured = configured_levers(cfg)
+    levers = levers or configured
+    facts = facts if facts is not None else run_facts(cfg, folder, levers)  # given: read for these levers already
+    process = process_bytes if process_bytes is not None else psutil.Process().memory_info().rss
+    adapters = _adapter_args(cfg, levers.lora)
+    models: dict[tuple[int, int], nn.Module] = {}
+
+    def build(layers: int, vocab: int) -> nn.Module:
+        torch.manual_seed(0)
+        small = AutoModelForCausalLM.from_config(_small(facts.config, layers, vocab), dtype=torch.float32)
+        prepared = _prepare(small, adapters, levers)
+        if layers == 1:  # kept for the optimizer's measurement; the 2-layer copy is freed after its probe
+            models[(layers, vocab)] = prepared
+        return prepared
+
+    autocast_dtype = spec(facts.precision).autocast_dtype
+    autocast = functools.partial(torch.autocast, "cpu", dtype=autocast_dtype) if autocast_dtype else \
+        contextlib.nullcontext
+    probe = probe_scaled(build, lambda m, ids: m.model(input_ids=ids, labels=ids).loss, autocast,
+                         tokens=probe_lengths(facts.config, facts.block), vocab=facts.vocab)
+    small = models[(1, facts.vocab)]
+    _frozen, small_trainable = count_parameters(small)
+    trainable_params = [p for p in small.parameters() if p.requires_grad]
+    step_temp = 0.0
+    if facts.optimizer is not None and not levers.low_bit_states and small_trainable:
+        measured = measure_optimizer(small, facts.optimizer)
+        step_temp = measured.step_bytes / small_trainable
+    weight_bytes = 2 if spec(facts.precision).module_dtype is not None else 4
+    micro_scale = levers.micro_batch / max(configured.micro_batch, 1)
+    return predict_peak_rss(
+        process=process, frozen_params=facts.frozen, frozen_bytes=2 if levers.base_bf16 else weight_bytes,
+        trainable_params=facts.trainable, trainable_bytes=4, state_bytes_per_param=_state_bytes(facts, levers,
+                                                                                                trainable_params),
+        step_temp_per_param=step_temp, probe=probe, layers=facts.layers, vocab=facts.vocab,
+        tokens=int(facts.tokens * micro_scale), load_bytes=load_peak_bytes(
+            facts.file_bytes, facts.frozen + facts.trainable, 2 if levers.base_bf16 and facts.file_dtype_bytes == 2
+            else 4, facts.file_dtype_bytes))
+
+
+def lever_sets(configured: Levers, full_fine_tuning: bool) -> list[Levers]:
+    """The configured levers, then each of :data:`LEVERS` added in turn (those that apply), then halved
+    micro-batches with all of them."""
+    out = [configured]
+    current = configured
+    for name in LEVERS:
+        if name == "base_bf16" and not current.lora:
+            continue
+        if name == "low_bit_states" and current.lora:
+            continue
+        if name == "lora" and not full_fine_tuning:
+            continue
+        value = 8 if name == "low_bit_states" else True
+        if getattr(current, name) == value:
+            continue
+        current = replace(current, **{name: value})
+        if name == "lora":
+            current = replace(current, low_bit_states=0, base_bf16=True)
+        out.append(current)
+    micro = current.micro_batch
+    while micro > 1:
+        micro //= 2
+        out.append(replace(current, micro_batch=micro))
+    return out
+
+
+def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> None:
+    """Refuse, before the weights are read, a Hugging Face run whose predicted peak RSS exceeds the memory this
+    machine has free, naming the cheapest lever set (:func:`lever_sets`) that fits."""
+    import psutil
+
+    from lit_speed.memory.rss_estimate import gib
+
+    if hf_folder(cfg) is None:
+        return
+    process = psutil.Process().memory_info().rss
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    budget = process + available
+    configured = configured_levers(cfg)
+    facts = run_facts(cfg, hf_folder(cfg), configured)  # the meta-device model and the optimizer, built once
+    if generous_bound(facts, process) <= budget:
+        return  # fits even counted generously: no probe
+    try:
+        estimate = estimate_run(cfg, configured, process, facts)
+    except Exception as error:  # noqa: BLE001 - a probe that cannot run must not stop a run it cannot judge
+        warnings.warn(f"lit_speed.run.fit_check: the memory estimate could not run ({type(error).__name__}: "
+                      f"{error}); the run goes on unchecked. scripts/plan.py shows the estimate's parts", stacklevel=2)
+        return
+    if estimate.peak <= budget:
+        return
+    callbacks = list(_callback_nodes(cfg))
+    for levers in lever_sets(configured, not configured.lora)[1:]:
+        other = estimate_run(cfg, levers, process)
+        if other.peak <= budget:
+            fix = " ".join(levers.overrides(configured, callbacks))
+            raise ConfigError(f"this run needs about {gib(estimate.peak)} of RAM at its peak (lit_speed.memory."
+                              f"rss_estimate: weights {gib(estimate.weights)}, optimizer {gib(estimate.optimizer)}, "
+                              f"step {gib(max(estimate.step, estimate.optimizer_step))}), {gib(budget)} is there. "
+                              f"Fix: {fix} (predicted {gib(other.peak)}); scripts/plan.py shows every option")
+    raise ConfigError(f"this run needs about {gib(estimate.peak)} of RAM at its peak, {gib(budget)} is there, and no "
+                      "lever set fits (chunked loss, a bf16 base, 8-bit states, checkpointing, LoRA, micro-batch 1). "
+                      "Fix: a smaller model, data.block_size, or a machine with more memory")
+
+
+def describe(estimate: Any) -> str:
+    from lit_speed.memory.rss_estimate import gib
+
+    return json.dumps({k: gib(v) for k, v in estimate.parts().items()})
