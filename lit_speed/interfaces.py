@@ -9,6 +9,9 @@ methods qualifies, so each side also works with a third-party counterpart, or al
 * :class:`AccumulationFollower` - a strategy that keeps its own accumulation state in step with that decision and
   scales a window's gradients on request (``lit_speed.ZeroStrategy``). ``AccumulationScheduler`` refuses other
   DeepSpeed strategies.
+* :class:`PartwiseCheckpointWriter` - a strategy whose checkpoint every process writes a part of (DeepSpeed ZeRO
+  folders) and that can write those parts without a collective (``lit_speed.ZeroStrategy``). Used by
+  ``lit_speed.FaultTolerance``'s signal deadline, which saves from a watchdog thread while a step is running.
 * :class:`OptimizerStateCost` - an optimizer that declares the bytes of state it keeps per parameter
   (``lit_speed.Lion``, ``lit_speed.MuonAdamW``, the low-bit AdamWs, ...). Asked by the memory planner and
   ``ZeroStrategy`` through ``lit_speed.state_bytes_per_param``, which also knows torch's and DeepSpeed's own optimizers.
@@ -75,6 +78,25 @@ class AccumulationFollower(Protocol):
 def find_accumulation_decider(callbacks: Iterable[object]) -> Optional[AccumulationDecider]:
     """The first :class:`AccumulationDecider` among ``callbacks``, ``None`` if there is none."""
     return next((c for c in callbacks if isinstance(c, AccumulationDecider)), None)
+
+
+@runtime_checkable
+class PartwiseCheckpointWriter(Protocol):
+    """A strategy whose checkpoint is a folder every process writes a part of, writable part by part without a
+    collective (so from a thread, while the main thread is inside a training step)."""
+
+    def module_state_for_checkpoint(self) -> dict:
+        """The module state the checkpoint's model-states file holds (live tensors, not copies)."""
+        ...
+
+    def write_optimizer_part(self, folder: str) -> None:
+        """Write this process's optimizer shard of the checkpoint ``folder``."""
+        ...
+
+    def write_model_states(self, folder: str, module_state: dict, client_state: dict) -> bool:
+        """Write the model-states file of ``folder`` with ``module_state`` and the trainer's ``client_state``, on the
+        process that writes it; returns whether this process wrote it. ``folder`` then needs only ``latest``."""
+        ...
 
 
 @runtime_checkable

@@ -46,6 +46,7 @@ TOP_PACKAGE = "lit_speed.run"
 #: ``_target_``.
 PUBLIC_UNDERSCORE_NAMES = {
     "_fields": "namedtuple's documented list of field names",
+    "_exit": "os._exit: the standard library's documented exit without interpreter clean-up",
 }
 
 _GETATTR_FAMILY = ("getattr", "setattr", "hasattr", "delattr")

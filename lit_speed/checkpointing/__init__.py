@@ -10,7 +10,8 @@ from lit_speed.checkpointing.best_and_last_checkpoint import BestAndLastCheckpoi
 from lit_speed.checkpointing.fault_tolerance import FaultTolerance, is_write_failure, write_failure_message
 from lit_speed.checkpointing.resumable_csv_logger import ResumableCSVLogger
 from lit_speed.checkpointing.resume import last_good_checkpoint, resolve_ckpt_path
+from lit_speed.checkpointing.signal_stop import stop_signal_received
 
 __all__ = ["AtomicCheckpointIO", "BestAndLastCheckpoint", "CheckpointWriteError", "CorruptCheckpointError",
            "FaultTolerance", "ResumableCSVLogger", "is_write_failure", "last_good_checkpoint", "resolve_ckpt_path",
-           "verify_checkpoint", "write_failure_message"]
+           "stop_signal_received", "verify_checkpoint", "write_failure_message"]

@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -147,6 +148,13 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def _writer_id() -> str:
+    """``<pid>``, or ``t<thread>-<pid>`` off the main thread (a watchdog may save while the main thread does)."""
+    if threading.current_thread() is threading.main_thread():
+        return str(os.getpid())
+    return f"t{threading.get_ident()}-{os.getpid()}"
+
+
 def _remove_orphaned_temporaries(path: Path) -> None:
     """Delete the ``.<name>.tmp-<pid>`` files in ``path``'s folder left by a writer that was killed (its process
     no longer exists), whichever checkpoint it was writing."""
@@ -207,7 +215,7 @@ def write_atomically(data: bytes | memoryview | Callable[[BinaryIO], None], path
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphaned_temporaries(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{_writer_id()}")
     try:
         with open(tmp, "wb") as f:
             if callable(data):
@@ -236,7 +244,7 @@ def write_atomically(data: bytes | memoryview | Callable[[BinaryIO], None], path
                     "given as OmegaConf containers: convert them with OmegaConf.to_container), or register the "
                     "class with torch.serialization.add_safe_globals") from None
         if keep_previous and path.is_file():
-            link_tmp = path.with_name(f".{path.name}.prev-{os.getpid()}")
+            link_tmp = path.with_name(f".{path.name}.prev-{_writer_id()}")
             link_tmp.unlink(missing_ok=True)
             os.link(path, link_tmp)
             os.replace(link_tmp, previous_path(path))

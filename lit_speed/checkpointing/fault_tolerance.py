@@ -2,15 +2,12 @@
 non-finite reporting, and one clear line (with the fix) when a run dies of out-of-memory or a lost peer."""
 from __future__ import annotations
 
-import errno
 import logging
 import math
-import shlex
 import signal
-from typing import Any, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -18,11 +15,24 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from typing_extensions import override
 
-from lit_speed.checkpointing.atomic_checkpoint_io import WRITE_ERRNOS, AtomicCheckpointIO, CheckpointWriteError
-from lit_speed.checkpointing.preemption import install_stop_signal, run_folder, save_interrupted
+from lit_speed.checkpointing.atomic_checkpoint_io import AtomicCheckpointIO
+from lit_speed.checkpointing.failures import (  # noqa: F401 - re-exported: the names were defined here before
+    LOST_PEER_MARKERS,
+    NONFINITE_POLICIES,
+    classify_failure,
+    command_line_overrides,
+    is_write_failure,
+    loss_value,
+    mapped_bytes,
+    memory_budget_mib,
+    nonfinite_parameters,
+    out_of_memory_advice,
+    write_failure_message,
+)
+from lit_speed.checkpointing.preemption import save_interrupted
 from lit_speed.checkpointing.resume import (
     checkpoint_folders,
-    gather_rng_states,
+    gather_per_rank,
     inexact_mid_epoch_resume,
     last_good_checkpoint,
     prefetched_batches,
@@ -34,110 +44,18 @@ from lit_speed.checkpointing.resume import (
     snapshot_rng_before_each_fetch,
     train_iterator_exists,
 )
-from lit_speed.oom import is_oom_error
+from lit_speed.checkpointing.run_state import (
+    at_epoch_end,
+    load_metric_states,
+    metric_states,
+    pending_log_row,
+    write_log_row,
+)
+from lit_speed.checkpointing.signal_stop import SignalStop
+from lit_speed.checkpointing.stop_signals import INBOX, record_signal_if_unhandled
+from lit_speed.compat.lightning_loops import resume_finished_epoch_as_new_epoch
 
 log = logging.getLogger(__name__)
-
-NONFINITE_POLICIES = ("warn", "raise")
-# ... and when a collective's peer process died or stopped answering (gloo, NCCL, the TCP store)
-LOST_PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
-                     "timeout", "nccl", "socket")
-
-
-def classify_failure(exception: BaseException, world_size: int = 1) -> str | None:
-    """``"out_of_memory"``, ``"lost_peer"`` (only when ``world_size > 1``) or ``None`` for anything else."""
-    text = str(exception).lower()
-    if is_oom_error(exception):
-        return "out_of_memory"
-    if world_size > 1 and isinstance(exception, (RuntimeError, ConnectionError, TimeoutError)) and any(
-            m in text for m in LOST_PEER_MARKERS):
-        return "lost_peer"
-    return None
-
-
-def out_of_memory_advice(micro_batch: int | None, overrides: Sequence[str] = (), budget_mib: float | None = None
-                         ) -> str:
-    """What to try after an out-of-memory, ending with the planner command that ranks what fits.
-
-    Args:
-        micro_batch: The micro-batch size that ran out of memory, if known.
-        overrides: The run's command-line overrides (the planner takes the same ones).
-        budget_mib: Memory per process to plan for, if known.
-    """
-    halve = f"data.batch_size={max(micro_batch // 2, 1)}" if micro_batch else "a smaller data.batch_size"
-    plan = " ".join(["python scripts/plan.py", *(shlex.quote(o) for o in overrides)]
-                    + ([f"--budget-mib {budget_mib:.0f}"] if budget_mib else []))
-    return (f"Fix: {halve} with accumulation=fixed to keep the effective batch, activation checkpointing, bf16 "
-            f"precision, or a ZeRO strategy with offload. To see which of these fit, run: {plan}")
-
-
-def mapped_bytes() -> int | None:
-    """This process's mapped address space (Linux ``VmSize``), else ``None``."""
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-    except (OSError, StopIteration):
-        return None
-
-
-def memory_budget_mib(device: torch.device, mapped_at_start: int | None = None) -> float | None:
-    """Memory training may use: the GPU's total; on CPU, the address-space limit (RLIMIT_AS) minus what was
-    already mapped when training started, if a limit is set."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / 2**20
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        return None
-    return (soft - (mapped_at_start or 0)) / 2**20
-
-
-def command_line_overrides() -> list[str]:
-    """The overrides of the running Hydra job (``[]`` outside one)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    except (ImportError, ValueError):
-        return []
-
-
-def is_write_failure(exception: BaseException) -> bool:
-    """A checkpoint (or any file) that could not be written for lack of space or permission."""
-    return isinstance(exception, CheckpointWriteError) or (
-        isinstance(exception, OSError) and exception.errno in WRITE_ERRNOS)
-
-
-def write_failure_message(exception: OSError, trainer: "pl.Trainer") -> str:
-    """One line: what could not be written and why, the last checkpoint that verifies, and how to go on."""
-    what = str(exception) if isinstance(exception, CheckpointWriteError) else \
-        f"could not write {exception.filename or 'a file'}: {exception.strerror or exception}"
-    try:
-        last = last_good_checkpoint(checkpoint_folders(trainer))
-    except Exception as error:  # a damaged folder must not hide the original failure  # noqa: BLE001
-        last = f"none usable ({error})"
-    kept = f"the last checkpoint that verifies is {last}" if last else "no checkpoint was written before it"
-    fix = {errno.ENOSPC: "free some space (or point hydra.run.dir at a larger disk)",
-           errno.EDQUOT: "free some of your disk quota (or point hydra.run.dir elsewhere)",
-           errno.EROFS: "point hydra.run.dir at a writable folder",
-           }.get(exception.errno, "make the folder writable (or point hydra.run.dir at one you own)")
-    return (f"Stopped at step {trainer.global_step}: {what}; {kept}, intact. Fix: {fix}, then resume with "
-            f"ckpt_path=last hydra.run.dir={run_folder(trainer)}")
-
-
-def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
-    """Names of parameters holding a NaN or an infinity (of this process's shard, under ZeRO-3)."""
-    return [name for name, p in module.named_parameters() if p.numel() and not torch.isfinite(p.detach()).all()]
-
-
-def loss_value(outputs: Any) -> torch.Tensor | None:
-    """The loss a ``training_step`` returned (a tensor, or a dict with ``"loss"``), else ``None``."""
-    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
-
 
 class FaultTolerance(Callback):
     """Make checkpoints atomic and make sure no run ends with non-finite weights without saying so.
@@ -160,12 +78,18 @@ class FaultTolerance(Callback):
         check_every_n_steps: How often the training loss is checked (each check reads the loss on the host,
             which synchronises a GPU). ``0`` = never; the weights are still checked at the end.
         on_nonfinite_weights: ``"warn"`` or ``"raise"`` when the weights are non-finite at the end of fit.
-        save_on_signal: On SIGTERM (Lightning stops at the next batch boundary) and SIGUSR1 (made to stop the
-            same way unless Lightning's SLURM requeue handler owns it): save ``last.ckpt`` at the step reached,
-            log "interrupted at step N; resume with ckpt_path=last hydra.run.dir=..." and exit ``128 + signum``.
+        save_on_signal: On SIGTERM and SIGUSR1 (unless Lightning's SLURM requeue handler owns it) in any process
+            of the run: every process stops after the same training batch, ``last.ckpt`` is saved there, rank 0
+            logs "interrupted at step N; resume with ckpt_path=last hydra.run.dir=..." and each process exits
+            ``128 + signum`` (:mod:`lit_speed.checkpointing.signal_stop`; the signal handler itself only records).
+        signal_deadline_s: With ``save_on_signal``: seconds from the signal to the exit. When the running batch
+            would end later (a long step, a long validation), a watchdog thread saves the state after the last
+            completed optimizer step instead and the process exits within about this time (the measured save
+            time is kept in hand). ``None``: wait for the running batch, however long. Costs one in-memory
+            snapshot of the non-weight state per optimizer step (weights and optimizer state are not copied).
 
     Raises:
-        ValueError: On an unknown policy or a negative interval.
+        ValueError: On an unknown policy, a negative interval or a deadline that is not a positive number.
         RuntimeError: At the end of fit, with ``on_nonfinite_weights="raise"`` and non-finite weights.
 
     Example::
@@ -174,7 +98,8 @@ class FaultTolerance(Callback):
     """
 
     def __init__(self, atomic_checkpoints: bool = True, keep_previous: bool = True, restore_rng: bool = True,
-                 check_every_n_steps: int = 1, on_nonfinite_weights: str = "warn", save_on_signal: bool = True) -> None:
+                 check_every_n_steps: int = 1, on_nonfinite_weights: str = "warn", save_on_signal: bool = True,
+                 signal_deadline_s: float | None = None) -> None:
         if on_nonfinite_weights not in NONFINITE_POLICIES:
             raise ValueError(f"FaultTolerance(on_nonfinite_weights={on_nonfinite_weights!r}): on_nonfinite_weights must "
                              f"be one of {NONFINITE_POLICIES}, "
@@ -183,14 +108,23 @@ class FaultTolerance(Callback):
             raise ValueError(f"FaultTolerance(check_every_n_steps={check_every_n_steps!r}): check_every_n_steps must "
                              f"be an int >= 0 (0 = never), "
                              f"got {check_every_n_steps!r}. Fix: check_every_n_steps=1.")
+        if signal_deadline_s is not None and (isinstance(signal_deadline_s, bool)
+                                              or not isinstance(signal_deadline_s, (int, float))
+                                              or not math.isfinite(signal_deadline_s) or signal_deadline_s <= 0):
+            raise ValueError(f"FaultTolerance(signal_deadline_s={signal_deadline_s!r}): signal_deadline_s must be a "
+                             f"number of seconds > 0, or None to wait for the running step, got {signal_deadline_s!r}. "
+                             "Fix: signal_deadline_s=25 (below your scheduler's grace period: Kubernetes and SLURM "
+                             "allow 30 s by default).")
         self.atomic_checkpoints = atomic_checkpoints
         self.keep_previous = keep_previous
         self.restore_rng = restore_rng
         self.check_every_n_steps = check_every_n_steps
         self.on_nonfinite_weights = on_nonfinite_weights
         self.save_on_signal = save_on_signal
+        self.signal_deadline_s = None if signal_deadline_s is None else float(signal_deadline_s)
         self.interrupted: str | None = None
-        self._stop_signal: int | None = None
+        self._signals: SignalStop | None = None
+        self._pending_row: tuple[dict[str, Any], list[Any]] | None = None  # (row, loggers): after restored rows
         self.checkpoint_io_name = "not set up"
         self.nonfinite_losses = 0
         self.first_nonfinite_loss_step: int | None = None
@@ -215,13 +149,22 @@ class FaultTolerance(Callback):
         self.checkpoint_io_name = type(strategy.checkpoint_io).__name__
         if self.restore_rng and stage == "fit":
             snapshot_rng_before_each_fetch(trainer, self._snapshot_rng)
+        if stage == "fit":  # with max_steps, Lightning 2.6.6 retrains a batch after an end-of-epoch checkpoint
+            resume_finished_epoch_as_new_epoch(trainer)
+        if self.save_on_signal and stage == "fit":  # before fit registers its signal handlers
+            self._signals = SignalStop(trainer, self.signal_deadline_s, self.state_key)
         if isinstance(strategy, DeepSpeedStrategy):
             self.checkpoint_io_name += " (unused: DeepSpeed writes its own folders)"
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.save_on_signal and hasattr(signal, "SIGUSR1"):  # after Lightning registered its own handlers
-            install_stop_signal(trainer, signal.SIGUSR1, self._note_signal)
+            record_signal_if_unhandled(signal.SIGUSR1)
+        if self._signals is not None:
+            self._signals.on_train_start()
+        if self._pending_row is not None:  # after the restored rows, before this run logs anything
+            write_log_row(*self._pending_row)
+            self._pending_row = None
         # Resumed mid-epoch (from a resumable loader's checkpoint): no on_train_epoch_start follows. Rebuild an
         # iterator made before the restore, then go back to the saved RNG state: the uninterrupted run went on
         # from it to the next batch, without building an iterator (whose base seed is drawn from the RNG).
@@ -292,14 +235,32 @@ class FaultTolerance(Callback):
     def _snapshot_rng(self) -> None:
         self._rng_before_fetch = rng_state()
 
-    def _note_signal(self, signum: int) -> None:
-        self._stop_signal = signum
+    @override
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+        if self._signals is not None:
+            self._signals.before_update()
+
+    @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._signals is not None and trainer.state.fn == "fit":
+            self._signals.before_validation()
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self._signals is not None:
+            self._signals.end()
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         if self.save_on_signal:
-            self.interrupted = save_interrupted(trainer, exception, self._stop_signal)
+            signals = self._signals
+            if signals is not None:
+                signals.begin_polite_save()  # waits for good if a deadline watchdog owns the state already
+            self.interrupted = save_interrupted(trainer, exception, signals.signum if signals else INBOX.signum)
+            if signals is not None:
+                signals.end()
             if self.interrupted is not None:
+                INBOX.clear()  # honoured: a later fit in this process starts clean
                 if trainer.is_global_zero:
                     log.warning(self.interrupted)
                 return
@@ -342,17 +303,31 @@ class FaultTolerance(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = {"nonfinite_losses": self.nonfinite_losses, "first_nonfinite_loss_step": self.first_nonfinite_loss_step}
-        if self._trainer is not None:  # rows each resumable logger holds now: a resume keeps exactly these
-            state["logger_rows"] = [logger.rows_logged() if hasattr(logger, "rows_logged") else None
-                                    for logger in self._trainer.loggers]
+        state: dict[str, Any] = {"nonfinite_losses": self.nonfinite_losses,
+                                 "first_nonfinite_loss_step": self.first_nonfinite_loss_step}
+        trainer = self._trainer
+        # a snapshot for the signal deadline is read on rank 0 alone: no collective, no file I/O
+        capturing = self._signals is not None and self._signals.capturing
+        if trainer is not None:  # rows each resumable logger holds now: a resume keeps exactly these
+            state["logger_rows"] = [(logger.rows_held() if capturing else logger.rows_logged())
+                                    if hasattr(logger, "rows_logged") else None for logger in trainer.loggers]
+            row = None if capturing else pending_log_row(trainer)
+            if row is not None:  # Lightning writes it right after this hook: after the checkpoint
+                state["pending_log_row"] = row
+        # what the metrics accumulated in this epoch (not at its end: Lightning resets the logged ones right after)
+        metrics = metric_states(trainer.lightning_module) if trainer is not None and not at_epoch_end(trainer) else {}
+        rng = rng_state() if self.restore_rng else None
+        # Lightning writes rank 0's callback states only; the other ranks' RNG streams and metric states differ
+        per_rank = None if capturing else gather_per_rank({"rng": rng, "metrics": metrics})
+        if per_rank is not None:
+            state["metrics_per_rank"] = [part["metrics"] for part in per_rank]
+        else:
+            state["metrics"] = metrics
         if self.restore_rng:
-            state["rng"] = rng_state()
-            # Lightning writes rank 0's callback states only; the other ranks' RNG streams differ
-            per_rank = gather_rng_states()
+            state["rng"] = rng
             if per_rank is not None:
-                state["rng_per_rank"] = per_rank
-            elif self._trainer is not None and prefetched_batches(self._trainer) and self._rng_before_fetch is not None:
+                state["rng_per_rank"] = [part["rng"] for part in per_rank]
+            elif trainer is not None and prefetched_batches(trainer) and self._rng_before_fetch is not None:
                 state["rng_before_prefetch"] = self._rng_before_fetch
         return state
 
@@ -360,22 +335,28 @@ class FaultTolerance(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.nonfinite_losses = state_dict.get("nonfinite_losses", 0)
         self.first_nonfinite_loss_step = state_dict.get("first_nonfinite_loss_step")
-        if self._trainer is not None:  # the rows the loggers held when this checkpoint was written come back
-            for logger, rows in zip(self._trainer.loggers, state_dict.get("logger_rows") or []):
-                if rows is not None and hasattr(logger, "restore_rows"):
-                    logger.restore_rows(rows)
+        trainer = self._trainer
+        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        if trainer is not None:  # the rows the loggers held when this checkpoint was written come back
+            restored = [logger for logger, rows in zip(trainer.loggers, state_dict.get("logger_rows") or [])
+                        if rows is not None and hasattr(logger, "restore_rows") and logger.restore_rows(rows) is not None]
+            if restored and state_dict.get("pending_log_row") is not None:
+                self._pending_row = (state_dict["pending_log_row"], restored)
+            per_rank = state_dict.get("metrics_per_rank")
+            metrics = (per_rank[rank] if per_rank is not None and len(per_rank) == world_size
+                       else state_dict.get("metrics") if world_size == 1 and per_rank is None else None)
+            if metrics:
+                load_metric_states(trainer.lightning_module, metrics)
         if not self.restore_rng or state_dict.get("rng") is None:
             return
         state = state_dict["rng"]
         per_rank = state_dict.get("rng_per_rank")
-        trainer = self._trainer
-        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         if per_rank is not None and len(per_rank) == world_size:
             state = per_rank[rank]
         elif world_size > 1 or per_rank is not None:
             rank_zero_warn(f"The checkpoint holds RNG states for {len(per_rank) if per_rank else 1} process(es), "
                            f"this run has {world_size}: every process gets rank 0's, so the resumed run shuffles "
-                           "and drops out differently from an uninterrupted one.")
+                           "and drops out differently from an uninterrupted one (and its metrics restart the epoch).")
         set_rng_state(state)
         self._restored_rng = state
         self._restored_rng_before_fetch = state_dict.get("rng_before_prefetch") if world_size == 1 else None

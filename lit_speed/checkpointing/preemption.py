@@ -1,23 +1,17 @@
 """A polite stop (SIGTERM, SIGUSR1) saves the step reached, says how to resume, and exits non-zero.
 
-Lightning already turns SIGTERM into a clean stop: its ``_SignalConnector`` notes the signal (and, on
-several processes, broadcasts rank 0's flag at every batch), and the loops raise ``SIGTERMException`` at
-the next batch boundary. That exception is a ``SystemExit`` with no code, so the process exits **0**
-without a checkpoint. :func:`save_interrupted` runs from ``Callback.on_exception`` on that exception:
-it writes ``last.ckpt`` at the step reached and gives the exception the exit code ``128 + signum``, the
-code a process killed by that signal would have, so a scheduler or ``train && evaluate`` sees a failure.
-
-SIGUSR1 (what SLURM's ``--signal`` and some schedulers send ahead of the kill) gets the same treatment
-through :func:`install_stop_signal`, unless Lightning's SLURM auto-requeue handler already owns it.
+Lightning turns SIGTERM into ``SIGTERMException`` at a batch boundary: a ``SystemExit`` with no code, so the
+process exits **0** without a checkpoint. :class:`~lit_speed.checkpointing.FaultTolerance` records the signal
+instead (:mod:`lit_speed.checkpointing.stop_signals`), has every process agree to stop after the same batch
+(:mod:`lit_speed.checkpointing.signal_stop`) and, from ``Callback.on_exception``, runs :func:`save_interrupted`:
+``last.ckpt`` at the step reached and the exit code ``128 + signum``, the code a process killed by that signal would
+have, so a scheduler or ``train && evaluate`` sees a failure.
 """
 from __future__ import annotations
 
 import logging
 import signal
-import threading
 from pathlib import Path
-from types import FrameType
-from typing import Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -30,33 +24,13 @@ log = logging.getLogger(__name__)
 
 
 def request_stop(trainer: "pl.Trainer") -> None:
-    """Ask the loops to stop at the next batch boundary, exactly as a SIGTERM does.
+    """Ask the loops to stop at the next batch boundary, exactly as a SIGTERM does in one process.
 
     The loops read ``trainer.received_sigterm``; setting it (a private Lightning detail, see
-    :func:`lit_speed.compat.lightning.request_stop`) reuses their stop points and their cross-process broadcast.
+    :func:`lit_speed.compat.lightning.request_stop`) reuses their stop points. On several processes set it in all
+    of them at the same point (FaultTolerance decides a signal's stop so), or they stop at different batches.
     """
     pl_compat.request_stop(trainer)
-
-
-def install_stop_signal(trainer: "pl.Trainer", signum: int, on_signal: Callable[[int], None]) -> bool:
-    """Make ``signum`` stop training like SIGTERM; ``on_signal(signum)`` is called first.
-
-    Nothing is installed off the main thread, on platforms without the signal, or when a handler is there
-    already (Lightning's SLURM auto-requeue handler for SIGUSR1 saves an ``hpc`` checkpoint and requeues).
-    Lightning restores the previous handlers when fit ends. Returns whether the handler was installed.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    current = signal.getsignal(signum)
-    if current not in (None, signal.SIG_DFL):
-        return False
-
-    def handler(received: int, _: FrameType | None) -> None:
-        on_signal(received)
-        request_stop(trainer)
-
-    signal.signal(signum, handler)
-    return True
 
 
 def last_checkpoint_path(trainer: "pl.Trainer") -> Path:
@@ -80,6 +54,11 @@ def run_folder(trainer: "pl.Trainer") -> str:
     return str(trainer.default_root_dir)
 
 
+def resume_hint(trainer: "pl.Trainer", path: Path) -> str:
+    """``ckpt_path=last`` when ``path`` is where it looks, else ``ckpt_path=<path>``."""
+    return "ckpt_path=last" if path.parent in set(checkpoint_folders(trainer)) else f"ckpt_path={path}"
+
+
 def save_interrupted(trainer: "pl.Trainer", exception: BaseException, signum: int | None) -> str | None:
     """On Lightning's ``SIGTERMException``: save ``last.ckpt`` at the current step, set the exit code to
     ``128 + signum`` and return the one-line message (``None`` for any other exception).
@@ -87,7 +66,7 @@ def save_interrupted(trainer: "pl.Trainer", exception: BaseException, signum: in
     Args:
         trainer: The interrupted Trainer (collective on several processes: every rank gets the exception).
         exception: The exception ``on_exception`` received.
-        signum: The signal that asked for the stop (``None``: SIGTERM, the only one Lightning handles).
+        signum: The signal that asked for the stop (``None``: SIGTERM).
     """
     if not isinstance(exception, SIGTERMException):
         return None
@@ -95,6 +74,5 @@ def save_interrupted(trainer: "pl.Trainer", exception: BaseException, signum: in
     path = last_checkpoint_path(trainer)
     trainer.save_checkpoint(path)
     exception.code = 128 + int(signum)
-    resume = "ckpt_path=last" if path.parent in set(checkpoint_folders(trainer)) else f"ckpt_path={path}"
-    return (f"interrupted at step {trainer.global_step}; resume with {resume} hydra.run.dir={run_folder(trainer)} "
-            f"({signal.Signals(signum).name}; checkpoint {path})")
+    return (f"interrupted at step {trainer.global_step}; resume with {resume_hint(trainer, path)} hydra.run.dir="
+            f"{run_folder(trainer)} ({signal.Signals(signum).name}; checkpoint {path})")

@@ -26,9 +26,10 @@ ASIDE_SUFFIX = ".before-resume"
 class ResumableCSVLogger(CSVLogger):
     """Lightning's ``CSVLogger`` (same arguments) that keeps a resumed run's earlier rows.
 
-    The two methods :class:`~lit_speed.checkpointing.FaultTolerance` calls: :meth:`rows_logged` (flush, then
-    count) at each checkpoint, and :meth:`restore_rows` when the run resumes from one. Without a resume the old
-    file stays next to the new one as ``metrics.csv.before-resume`` (Lightning would have deleted it).
+    The methods :class:`~lit_speed.checkpointing.FaultTolerance` calls: :meth:`rows_logged` (flush, then count) at
+    each checkpoint, :meth:`rows_held` (count without writing) for the in-memory snapshots of its signal deadline,
+    and :meth:`restore_rows` when the run resumes from one. Without a resume the old file stays next to the new
+    one as ``metrics.csv.before-resume`` (Lightning would have deleted it).
 
     Example::
 
@@ -38,6 +39,7 @@ class ResumableCSVLogger(CSVLogger):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._moved_aside = False
+        self._rows_written = 0  # data rows in metrics.csv (this logger wrote or restored them)
 
     @property
     def metrics_path(self) -> Path:
@@ -52,6 +54,18 @@ class ResumableCSVLogger(CSVLogger):
                 os.replace(self.metrics_path, self.metrics_path.with_name(METRICS_FILE + ASIDE_SUFFIX))
         return super().experiment
 
+    @override
+    def save(self) -> None:
+        pending = len(self.experiment.metrics) if rank_zero_only.rank == 0 else 0
+        super().save()
+        self._rows_written += pending
+
+    def rows_held(self) -> int | None:
+        """Rows logged so far, written or not, counted without touching the file (``None`` off rank 0)."""
+        if rank_zero_only.rank != 0:
+            return None
+        return self._rows_written + len(self.experiment.metrics)
+
     def rows_logged(self) -> int | None:
         """Write the pending rows, then count the data rows of ``metrics.csv`` (``None`` off rank 0)."""
         if rank_zero_only.rank != 0:
@@ -62,11 +76,12 @@ class ResumableCSVLogger(CSVLogger):
         with self.metrics_path.open(newline="") as f:
             return max(sum(1 for _ in csv.reader(f)) - 1, 0)
 
-    def restore_rows(self, rows: int) -> int:
-        """Put back the first ``rows`` rows of the file this run found (moved aside at start); returns how many."""
+    def restore_rows(self, rows: int) -> int | None:
+        """Put back the first ``rows`` rows of the file this run found (moved aside at start); returns how many
+        (``None`` off rank 0, or when there was no earlier file: a resume into a new folder)."""
         aside = self.metrics_path.with_name(METRICS_FILE + ASIDE_SUFFIX)
         if rank_zero_only.rank != 0 or not aside.is_file():
-            return 0
+            return None
         with aside.open(newline="") as f:
             reader = csv.DictReader(f)
             header = list(reader.fieldnames or [])
@@ -80,5 +95,6 @@ class ResumableCSVLogger(CSVLogger):
             out.writeheader()
             out.writerows(kept + previous)
         writer.metrics_keys[:] = keys  # the writer appends under this header from now on
+        self._rows_written = len(kept) + len(previous)
         aside.unlink()
         return len(kept)

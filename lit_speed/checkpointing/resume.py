@@ -156,8 +156,8 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def gather_rng_states() -> list[dict[str, Any]] | None:
-    """Every process's :func:`rng_state`, in rank order, when ``torch.distributed`` runs several; else ``None``.
+def gather_per_rank(part: Any) -> list[Any] | None:
+    """Every process's ``part``, in rank order, when ``torch.distributed`` runs several; else ``None``.
 
     A collective: called while Lightning dumps a checkpoint, which it does on every process.
     """
@@ -165,9 +165,14 @@ def gather_rng_states() -> list[dict[str, Any]] | None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, rng_state())
-    return states
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return parts
+
+
+def gather_rng_states() -> list[dict[str, Any]] | None:
+    """Every process's :func:`rng_state`, in rank order, when ``torch.distributed`` runs several; else ``None``."""
+    return gather_per_rank(rng_state())
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

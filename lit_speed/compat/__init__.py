@@ -10,6 +10,10 @@ Modules, by library (each function states the version it was written against):
   decisions (instance patches of the fit loop), the logger cadence, the SIGTERM flag, a precision plugin's
   closure hook, a module's trainer link, a strategy's precision-plugin property and DDP's environment setup.
 * :mod:`lit_speed.compat.lightning_data` - the fit loop's data fetcher and data source.
+* :mod:`lit_speed.compat.lightning_loops` - the fit loop's restart at an epoch's end, the SIGTERM handler and
+  per-batch broadcast that stop signals replace, the log rows written after checkpoint hooks, and
+  ``dump_checkpoint`` (instance patches of one Trainer's loop objects, installed once).
+* :mod:`lit_speed.compat.torchmetrics` - a metric's update count and cached result, to restore its state.
 * :mod:`lit_speed.compat.deepspeed` - DeepSpeed itself and Lightning's ``DeepSpeedStrategy`` internals.
 * :mod:`lit_speed.compat.hydra` - Hydra's command-line parser and ``@hydra.main``'s config search path (hydra-core
   1.3.8), so the pre-flight composes from the folders Hydra will search.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -101,3 +102,38 @@ class BatchSizeFromLoader:
 
     def _auto_select_batch_size(self) -> int:
         return train_batch_size(self.lightning_module.trainer)  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint parts
+def zero_checkpoint_tag() -> str:
+    """The tag Lightning 2.6.6's ``DeepSpeedStrategy.save_checkpoint`` saves under (``tag="checkpoint"``)."""
+    return "checkpoint"
+
+
+def write_zero_optimizer_part(engine: Any, folder: str, tag: str) -> str:
+    """Write this process's optimizer shard into ``folder/tag/`` as DeepSpeed 0.19.8's ``engine.save_checkpoint``
+    does (``_save_zero_checkpoint``: ``{optimizer_state_dict, ds_config, ds_version}`` under ``_get_zero_ckpt_name``),
+    without its barriers and tag check: a collective-free write for one process. Returns the file."""
+    import torch
+    from deepspeed import version
+
+    path = engine._get_zero_ckpt_name(folder, tag)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(dict(optimizer_state_dict=engine.optimizer.state_dict(), ds_config=engine.config, ds_version=version),
+               path)
+    return path
+
+
+def write_zero_model_states(engine: Any, folder: str, tag: str, module_state: dict[str, Any],
+                            client_state: dict[str, Any]) -> str:
+    """Write the model-states file of ``folder/tag/`` as DeepSpeed 0.19.8's ``_save_checkpoint`` does on the process
+    that writes it (``save_non_zero_checkpoint``), with a module state dict taken earlier. Returns the file."""
+    import torch
+
+    path = engine._get_ckpt_name(folder, tag)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_frozen = engine.zero_optimization_partition_gradients()
+    state = engine._common_checkpoint_state(module_state, engine.zero_optimization(), save_frozen)
+    state.update(client_state)
+    torch.save(state, path)
+    return path

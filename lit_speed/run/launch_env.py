@@ -50,3 +50,24 @@ def release_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")  # the deepspeed launcher's and torch.distributed.launch's
+
+
+def drop_local_rank_argument(argv: list[str]) -> list[str]:
+    """``argv`` without the ``--local_rank=N`` (or ``--local_rank N``) a launcher appends for its workers.
+
+    The ``deepspeed`` launcher (unless ``--no_local_rank``) and the old ``torch.distributed.launch`` pass it on
+    the command line, where Hydra refuses it; the rank is also in ``LOCAL_RANK``, which is set from it if missing.
+    """
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        flag, _, value = arg.partition("=")
+        if flag in LOCAL_RANK_FLAGS:
+            value = value or next(args, "")
+            os.environ.setdefault("LOCAL_RANK", value)
+            continue
+        out.append(arg)
+    return out

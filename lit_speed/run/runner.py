@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_speed.run.config_error import ConfigError
 
-from lit_speed.checkpointing import FaultTolerance, is_write_failure, write_failure_message
+from lit_speed.checkpointing import FaultTolerance, is_write_failure, stop_signal_received, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.run.config_error import RunStopped
 from lit_speed.run.console import quiet_upstream_notices
@@ -332,11 +332,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             raise
     summary = parts["run_summary"].summary(trainer)
     after: dict[str, float] = {}
-    if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run:
+    if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run and not stop_signal_received(trainer):
         validating = time.perf_counter()
         val = trainer.validate(model, datamodule=dm, verbose=False)
         summary["final_val"] = {k: float(v) for k, v in (val[0] if val else {}).items()}
         after["final_validation"] = time.perf_counter() - validating
+    if (late := stop_signal_received(trainer)) is not None:  # SIGTERM/SIGUSR1 after the last training batch
+        raise RunStopped(*late)
     extras = workload_extras(parts)
     summary.update({extra.key: extra.value for extra in extras})
     components = component_summaries(parts)  # loss scale, verdicts, stop reason, ...

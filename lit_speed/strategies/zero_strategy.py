@@ -246,6 +246,23 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
                              f"or a non-ZeRO DeepSpeed optimizer) cannot; use precision 'bf16-mixed' or '32-true'")
         optimizer.override_loss_scale(1.0 / scale)
 
+    # -- checkpoint parts without collectives (lit_speed.interfaces.PartwiseCheckpointWriter) ------------------
+    def module_state_for_checkpoint(self) -> dict:
+        """The module state the model-states file of a checkpoint holds (live tensors)."""
+        return self.deepspeed_engine.module_state_dict()
+
+    def write_optimizer_part(self, folder: str) -> None:
+        """This process's optimizer shard of checkpoint ``folder``, as ``save_checkpoint`` writes it (no barrier)."""
+        ds_compat.write_zero_optimizer_part(self.deepspeed_engine, folder, ds_compat.zero_checkpoint_tag())
+
+    def write_model_states(self, folder: str, module_state: dict, client_state: dict) -> bool:
+        """The model-states file of ``folder`` (on the process DeepSpeed writes it from); ``latest`` is the caller's."""
+        engine = self.deepspeed_engine
+        if not engine.save_non_zero_checkpoint:
+            return False
+        ds_compat.write_zero_model_states(engine, folder, ds_compat.zero_checkpoint_tag(), module_state, client_state)
+        return True
+
     @override
     def teardown(self) -> None:
         self._deepspeed_patches.close()

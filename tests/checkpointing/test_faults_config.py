@@ -134,6 +134,13 @@ CASES = {
                        r">= 1\. Fix: r=8", True),
     "hf_model_without_a_folder": (["model=hf_causal_lm", "data=text_folder", "data.root=/tmp"],
                                   r"model\.pretrained=\?\?\?: required, and not given\. Fix: model\.pretrained=", True),
+    # issue 33: the signal deadline (FaultTolerance(signal_deadline_s=...)): seconds > 0, or null
+    "signal_deadline_negative": (["callbacks.fault_tolerance.signal_deadline_s=-1"],
+                                 r"signal_deadline_s=-1: FaultTolerance\(signal_deadline_s=-1\): signal_deadline_s must "
+                                 r"be a number of seconds > 0, or None.*Fix: signal_deadline_s=25", False),
+    "signal_deadline_not_a_number": (["callbacks.fault_tolerance.signal_deadline_s=soon"],
+                                     r"signal_deadline_s must be a number of seconds > 0, or None to wait for the "
+                                     r"running step, got 'soon'", True),
     # issue 32: memory levers
     "chunked_loss_without_a_language_model": (["callbacks=[chunked_loss]"],
                                               r"callbacks\.chunked_loss: ChunkedLMLoss: MLPClassifier holds no Hugging "

@@ -438,3 +438,90 @@ def test_hydra_parser_reads_the_flags_the_preflight_needs(tmp_path) -> None:
         assert [(s.provider, s.path) for s in sources if s.schema == "file"] == [
             ("main", str(tmp_path / "main_conf")), ("command-line", str(tmp_path / "extra"))]
     assert not GlobalHydra.instance().is_initialized()  # restored as it was
+
+
+# ---------------------------------------------------------------------------------------------- compat.lightning_loops
+def test_signal_connector_and_stop_broadcast_names_the_stop_helpers_replace() -> None:
+    # replace_sigterm_notifier(), replace_stop_broadcast(), set_received_sigterm(), training_done_after_this_batch()
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    register = _source(_SignalConnector.register_signal_handlers)
+    assert "sigterm_handlers:list[_HANDLER]=[self._sigterm_notifier_fn]" in register, "the notifier is looked up here"
+    assert "dist.broadcast" in _source(_SignalConnector._sigterm_notifier_fn)  # the collective we keep out of handlers
+    assert "self._broadcast_sigterm_tensor()" in _source(_TrainingEpochLoop.advance)
+    assert "ifnotself._is_training_doneandself.trainer.received_sigterm:" in _source(_TrainingEpochLoop.on_advance_end)
+    assert isinstance(inspect.getattr_static(_TrainingEpochLoop, "_is_training_done"), property)
+    assert "self._signal_connector.received_sigterm" in _source(pl.Trainer.received_sigterm.fget)
+
+
+def test_stop_helpers_are_instance_patches_installed_once() -> None:
+    from lit_speed.compat import lightning_loops as loops
+
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    calls: list[str] = []
+    loops.call_after_each_batch(trainer, lambda: calls.append("after"))
+    first = trainer.fit_loop.epoch_loop.on_advance_end
+    loops.call_after_each_batch(trainer, lambda: calls.append("again"))
+    assert trainer.fit_loop.epoch_loop.on_advance_end is first
+    loops.replace_stop_broadcast(trainer, lambda: calls.append("decide"))
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    loops.set_received_sigterm(trainer)
+    assert trainer.received_sigterm and calls == ["decide"]
+    assert type(trainer.fit_loop.epoch_loop).on_advance_end is _TrainingEpochLoop.on_advance_end  # class untouched
+
+
+def test_fit_loop_restart_rules_the_epoch_end_fix_relies_on() -> None:
+    # resume_finished_epoch_as_new_epoch(): _FitLoop.restarting's setter forces True with max_steps; the base
+    # _Loop setter does not; the epoch-based path resumes an epoch-end checkpoint as RESUMED_ON_EPOCH_END
+    from lightning.pytorch.loops.loop import _Loop
+
+    assert "orself._iteration_based_training()" in _source(inspect.getattr_static(_FitLoop, "restarting").fset)
+    assert "forloopinvars(self).values():" in _source(_Loop.restarting.fset)
+    assert "self._loaded_from_state_dict" in _source(_FitLoop.update_restart_stage)
+    assert "ifself.resumed_on_epoch_end:" in _source(_FitLoop.reset)
+
+
+def test_log_rows_are_written_after_the_hooks_a_checkpoint_is_saved_in() -> None:
+    # log_row_written_after_this_hook(), in_epoch_end_hooks(): the rows' order relative to the hooks
+    from lightning.pytorch.loops.fit_loop import _FitLoop as FitLoop
+
+    advance = _source(_TrainingEpochLoop.advance)
+    assert advance.index('"on_train_batch_end"') < advance.index("update_train_step_metrics()")
+    end = _source(FitLoop.on_advance_end)
+    assert end.index('"on_train_epoch_end"') < end.index("self.epoch_loop._batches_that_stepped-=1") \
+        < end.index("update_train_epoch_metrics()")
+    assert "self.log_metrics(self.metrics[\"log\"])" in _source(_LoggerConnector.update_train_step_metrics)
+    assert "on_step=self._first_loop_iterisnotNone" in _source(inspect.getattr_static(_LoggerConnector, "metrics").fget)
+
+
+def test_dump_checkpoint_is_what_save_checkpoint_writes() -> None:
+    # dump_checkpoint(): trainer._checkpoint_connector.dump_checkpoint(weights_only)
+    assert "checkpoint=self._checkpoint_connector.dump_checkpoint(weights_only)" in _source(pl.Trainer.save_checkpoint)
+
+
+def test_metric_state_restore_sets_the_private_counters() -> None:
+    # set_metric_state(): torchmetrics' Metric._update_count and ._computed
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from lit_speed.compat.torchmetrics import set_metric_state
+
+    metric = MulticlassAccuracy(3, average="micro")
+    metric.update(torch.tensor([0, 1, 2]), torch.tensor([0, 1, 1]))
+    saved = {k: v.clone() for k, v in metric.metric_state.items()}
+    fresh = MulticlassAccuracy(3, average="micro")
+    set_metric_state(fresh, saved, metric.update_count)
+    assert fresh.update_count == 1 and torch.equal(fresh.compute(), metric.compute())
+
+
+def test_deepspeed_checkpoint_part_writers_follow_save_checkpoint() -> None:
+    # write_zero_optimizer_part(), write_zero_model_states(): the names save_checkpoint writes its files under
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy as LightningDeepSpeed
+
+    zero = _source(DeepSpeedEngine._save_zero_checkpoint)
+    assert "zero_checkpoint_name=self._get_zero_ckpt_name(save_path,tag)" in zero
+    assert "zero_sd=dict(optimizer_state_dict=self.optimizer.state_dict(),ds_config=self.config,ds_version=version)" in zero
+    model = _source(DeepSpeedEngine._save_checkpoint)
+    assert "state=self._common_checkpoint_state(module,zero_optimizer_state,save_frozen_param)" in model
+    assert "ifself.save_non_zero_checkpoint:" in model
+    assert f'tag="{ds_compat.zero_checkpoint_tag()}"' in _source(LightningDeepSpeed.save_checkpoint)

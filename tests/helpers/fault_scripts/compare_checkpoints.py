@@ -45,6 +45,24 @@ def max_abs_differences(a: str | Path, b: str | Path) -> dict[str, float]:
             for k in ta}
 
 
+#: metrics.csv columns that measure the machine (time, memory, throughput), not the run: they differ run to run
+MACHINE_COLUMNS = ("stats/", "time/", "throughput/", "perf/")
+
+
+def metrics_rows(path: str | Path) -> list[tuple[tuple[str, str], ...]]:
+    """The rows of a ``metrics.csv`` on the columns a deterministic run reproduces, in file order (rows left with
+    only ``epoch``/``step`` are dropped): two runs that trained alike have equal lists."""
+    import csv
+
+    rows = []
+    with Path(path).open(newline="") as f:
+        for row in csv.DictReader(f):
+            kept = tuple(sorted((k, v) for k, v in row.items() if v and not k.startswith(MACHINE_COLUMNS)))
+            if any(k not in ("epoch", "step") for k, _ in kept):
+                rows.append(kept)
+    return rows
+
+
 if __name__ == "__main__":
     diffs = max_abs_differences(sys.argv[1], sys.argv[2])
     print(f"{sum(d == 0 for d in diffs.values())}/{len(diffs)} "

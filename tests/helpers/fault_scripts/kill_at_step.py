@@ -72,7 +72,8 @@ class KillAtStep(Callback):
         step: Optimizer step after which to die.
         batch: Die after this many training batches of this process instead (counts the micro-batches inside an
             accumulation window, so a signal can land mid-window).
-        rank: Global rank that dies (the others are left to notice).
+        rank: Global rank that dies (the others are left to notice); ``-1``: every rank (a signal to the
+            whole process group, as SLURM and ``kill -TERM -<pgid>`` send it).
         mode: ``"step"`` kills right after the batch; ``"before_rename"`` kills inside the next checkpoint
             save, after the temporary file is written and before it replaces the old checkpoint; ``"sigterm"``
             and ``"sigusr1"`` send that signal instead of SIGKILL (a scheduler's polite stop), once;
@@ -93,7 +94,7 @@ class KillAtStep(Callback):
                            batch: Any, batch_idx: int) -> None:
         self._batches += 1
         reached = self._batches >= self.batch if self.batch is not None else trainer.global_step >= self.step
-        if trainer.global_rank != self.rank or not reached:
+        if self.rank not in (-1, trainer.global_rank) or not reached:
             return
         if self.mode == "step":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -42,3 +42,28 @@ def kill_at(step: int = -1, rank: int = 0, mode: str = "step", batch: int | None
 def explain(proc: subprocess.CompletedProcess) -> str:
     """The tail of a child's output, for assertion messages."""
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+
+
+def signal_after(args: list[str], run_dir: Path, marker: str, delay_s: float, signum: int,
+                 timeout: float = 600) -> subprocess.CompletedProcess:
+    """Start ``scripts/train.py``, send ``signum`` to its main process ``delay_s`` after ``marker`` appears in its
+    output, and wait for it (``timeout`` bounds a hang). Returns the finished process (text output)."""
+    import time
+
+    log = run_dir.with_name(run_dir.name + ".log")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(ROOT / "scripts" / "train.py"), *args, f"hydra.run.dir={run_dir}"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT, text=True)
+        start = time.monotonic()
+        while proc.poll() is None and marker not in log.read_text() and time.monotonic() - start < timeout:
+            time.sleep(0.1)
+        time.sleep(delay_s)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            subprocess.run(["pkill", "-9", "-f", f"hydra.run.dir={run_dir}"], check=False)  # every rank of this run
+            proc.wait()
+    return subprocess.CompletedProcess(command, proc.returncode, log.read_text(), "")
