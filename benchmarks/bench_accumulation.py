@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, stats, write_result  # noqa: E402
-
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from _common import ROOT, stats, write_result  # noqa: E402
 
 from lit_speed.accumulation import AccumulationScheduler  # noqa: E402
 from lit_speed.data.charlm import CharLMDataModule  # noqa: E402

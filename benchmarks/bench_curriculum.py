@@ -24,10 +24,9 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, write_result  # noqa: E402
-
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from _common import ROOT, write_result  # noqa: E402
 
 from lit_speed.curriculum import CurriculumDataModule, CurriculumEarlyStopping  # noqa: E402
 from lit_speed.data.charlm import CharLMDataModule  # noqa: E402

@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import stats, write_result  # noqa: E402
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _common import stats, write_result  # noqa: E402
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler  # noqa: E402
 
 from lit_speed.data.digits import load_digits_tensors  # noqa: E402

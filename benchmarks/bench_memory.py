@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, stats, write_result  # noqa: E402
-
 import torch  # noqa: E402
+from _common import RESULTS, ROOT, stats, write_result  # noqa: E402
 
 from lit_speed.memory.activation_checkpointing import checkpoint_modules  # noqa: E402
 from lit_speed.memory.compile_model import compile_modules  # noqa: E402

@@ -28,12 +28,11 @@ import time
 from typing import Any
 
 import _common  # noqa: F401 - puts the repository on sys.path
+import lightning.pytorch as pl
+import plain_loop
+import torch
 from _common import ROOT, stats, write_result
 
-import lightning.pytorch as pl
-import torch
-
-import plain_loop
 from lit_speed.data.charlm import CharLMDataModule
 from lit_speed.models.gpt import GPTModule
 from lit_speed.optim.schedules import warmup_cosine

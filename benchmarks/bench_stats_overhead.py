@@ -25,10 +25,9 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, stats, write_result  # noqa: E402
-
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from _common import ROOT, stats, write_result  # noqa: E402
 from lightning.pytorch.callbacks import Callback, DeviceStatsMonitor  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 

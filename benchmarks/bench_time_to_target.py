@@ -65,8 +65,8 @@ def child_lightning(seed: int, steps: int, target: float, every_tokens: int, out
     import torch.nn.functional as F
 
     from lit_speed.data.charlm import CharLMDataModule
-    from lit_speed.models.gpt import GPT
     from lit_speed.models.configure_optimizers import param_groups
+    from lit_speed.models.gpt import GPT
     from lit_speed.reporting.fixed_validation import FixedValidationClock
 
     class PlainGPT(pl.LightningModule):
@@ -101,9 +101,9 @@ def child_lightning(seed: int, steps: int, target: float, every_tokens: int, out
 
 def child_foreign(name: str, seed: int, steps: int, target: float, every_tokens: int, out: str) -> None:
     """The user's own GPT module, plain (``foreign_plain``) or with the preset's levers (``foreign_lit_speed``)."""
+    import foreign_gpt
     import lightning.pytorch as pl
 
-    import foreign_gpt
     from lit_speed.data.charlm import CharLMDataModule
     from lit_speed.reporting.fixed_validation import FixedValidationClock
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from lit_speed.data.charlm import CharLMDataModule
-from lit_speed.models.gpt import GPT
 from lit_speed.models.configure_optimizers import param_groups
+from lit_speed.models.gpt import GPT
 from lit_speed.optim.schedules import warmup_cosine
 
 

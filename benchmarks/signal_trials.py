@@ -145,8 +145,7 @@ def snapshot_cost(steps: int) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
 
-    from lit_speed.checkpointing import FaultTolerance
-    from lit_speed.checkpointing import signal_stop
+    from lit_speed.checkpointing import FaultTolerance, signal_stop
     from lit_speed.data.charlm import CharLMDataModule
     from lit_speed.data.digits import DigitsDataModule
     from lit_speed.models.gpt import GPTModule

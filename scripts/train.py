@@ -16,7 +16,6 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from lit_speed.run.config_check import preflight  # noqa: E402
-
 from lit_speed.run.config_error import ConfigError  # noqa: E402
 
 

@@ -11,11 +11,29 @@ from typing_extensions import override
 
 from lit_speed import strategy_facts
 from lit_speed.accumulation import micro_batch as mb
-from lit_speed.accumulation.schedule import (LR_SCALINGS, RAMPS, UNITS, check_choice, check_divisible,
-                                             checked_argument, factor_at, factor_for_effective_batch, lr_scale,
-                                             schedule_plan, validate_schedule, value_at)
-from lit_speed.accumulation.window import (NORMALIZE, batch_samples, count_items, count_tokens, scale_gradients,
-                                           split_batch, window_scale)
+from lit_speed.accumulation.schedule import (
+    LR_SCALINGS,
+    RAMPS,
+    UNITS,
+    check_choice,
+    check_divisible,
+    checked_argument,
+    factor_at,
+    factor_for_effective_batch,
+    lr_scale,
+    schedule_plan,
+    validate_schedule,
+    value_at,
+)
+from lit_speed.accumulation.window import (
+    NORMALIZE,
+    batch_samples,
+    count_items,
+    count_tokens,
+    scale_gradients,
+    split_batch,
+    window_scale,
+)
 from lit_speed.compat import lightning as pl_compat
 from lit_speed.interfaces import AccumulationFollower
 from lit_speed.oom import is_oom_error

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from fsspec.implementations.local import LocalFileSystem
 from typing_extensions import override
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,9 @@ from lit_speed.checkpointing.stop_signals import (
     signal_name,
     storage_ids,
 )
-from lit_speed.compat import deepspeed as ds_compat, lightning as pl_compat, lightning_loops as loops
+from lit_speed.compat import deepspeed as ds_compat
+from lit_speed.compat import lightning as pl_compat
+from lit_speed.compat import lightning_loops as loops
 from lit_speed.interfaces import PartwiseCheckpointWriter
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,14 @@ from typing_extensions import override
 from lit_speed.curriculum.difficulty import difficulty_order, resolve_scores
 from lit_speed.curriculum.pacing import check_pacing, pacing_fraction, progress_at, seq_len_at
 from lit_speed.curriculum.sampler import CurriculumSampler
-from lit_speed.data.pipeline import (BatchFetch, LoaderOptions, ResumableDataLoader, apply_batch_transform,
-                                     check_batch_transform, truncate_sequences)
+from lit_speed.data.pipeline import (
+    BatchFetch,
+    LoaderOptions,
+    ResumableDataLoader,
+    apply_batch_transform,
+    check_batch_transform,
+    truncate_sequences,
+)
 
 PACE_UNITS = ("steps", "epochs")
 

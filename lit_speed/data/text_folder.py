@@ -18,8 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from lit_speed.data.charlm import (CharLMDataModule, Corpus, TokenWindows, read_texts, source_root,
-                                   unigram_cross_entropy)
+from lit_speed.data.charlm import CharLMDataModule, Corpus, TokenWindows, read_texts, source_root, unigram_cross_entropy
 from lit_speed.run_contract import TokenLimits
 
 DEFAULT_PATTERNS = ("**/*.txt", "**/*.md", "**/*.rst", "**/*.py")

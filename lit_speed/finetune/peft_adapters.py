@@ -17,12 +17,24 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torch import nn
 from typing_extensions import override
 
-from lit_speed.finetune.adapters import (ALL_LINEAR, METHODS, add_adapters, drop_frozen_from_optimizer,
-                                         frozen_fingerprint, parameter_counts)
-from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_merged
-from lit_speed.finetune.frozen_base import (BASE_DTYPES, COMPUTES, choose_base_compute, lower_frozen_base,
-                                            set_base_compute, upcast_unlowered)
 from lit_speed import strategy_facts
+from lit_speed.finetune.adapters import (
+    ALL_LINEAR,
+    METHODS,
+    add_adapters,
+    drop_frozen_from_optimizer,
+    frozen_fingerprint,
+    parameter_counts,
+)
+from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_merged
+from lit_speed.finetune.frozen_base import (
+    BASE_DTYPES,
+    COMPUTES,
+    choose_base_compute,
+    lower_frozen_base,
+    set_base_compute,
+    upcast_unlowered,
+)
 from lit_speed.precision.modes import spec as precision_spec
 
 ADAPTERS_ONLY_KEY = "adapters_only"  # top-level checkpoint key: the state_dict holds the trainable tensors only

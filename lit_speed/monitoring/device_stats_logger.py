@@ -13,12 +13,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lit_speed.compat.torch import cpu_has_native_bf16
 from lit_speed.monitoring.diagnosis import RunStats, diagnose, format_compute, verdict_rows
 from lit_speed.monitoring.flops import FlopCount, contains_compiled, gpu_peak_flops, measure_cpu_peak_flops
 from lit_speed.monitoring.samplers import HostStats, NvmlSampler, batch_size_and_tokens, summarize_gpu_samples
 from lit_speed.monitoring.step_timer import StepTimer, TimeSplit
 from lit_speed.precision.modes import compute_dtype
-from lit_speed.compat.torch import cpu_has_native_bf16
 from lit_speed.tables import print_table
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,6 @@ import psutil
 import torch
 
 
-
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lit_speed.precision import modes
 from lit_speed.compat import lightning as pl_compat
+from lit_speed.precision import modes
 from lit_speed.precision.fp32_modules import Float32Islands, cast_floating, default_dtype, match_modules
 from lit_speed.precision.master_weights import MasterWeights
 from lit_speed.precision.nonfinite import Action, GuardCounters, all_finite, decide, first_nonfinite, is_genuine

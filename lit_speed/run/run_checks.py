@@ -17,7 +17,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from lit_speed.run.config_error import ConfigError
 
 
-
 def _short(target: Any) -> str:
     return str(target).rsplit(".", 1)[-1]
 

@@ -14,8 +14,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_speed.run.config_error import ConfigError
-from lit_speed.run_contract import AccumulationReport, MonitorFollower
 from lit_speed.run.run_monitor import choose_monitor
+from lit_speed.run_contract import AccumulationReport, MonitorFollower
 
 
 def largest_accumulation_factor(callbacks: list[Any], trainer_factor: int = 1) -> int:

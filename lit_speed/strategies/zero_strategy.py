@@ -19,19 +19,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_speed import GuardedDeepSpeedPrecision, state_bytes_per_param
-from lit_speed.compat import deepspeed as ds_compat, lightning as pl_compat
+from lit_speed.compat import deepspeed as ds_compat
+from lit_speed.compat import lightning as pl_compat
 from lit_speed.compat.deepspeed import BatchSizeFromLoader
 from lit_speed.interfaces import find_accumulation_decider
-from lit_speed.strategies.consolidate import check_resume_world_size
-from lit_speed.strategies.ds_accelerator import use_deepspeed_accelerator
 from lit_speed.memory.model_state import ModelStateBytes, ZeroLayout, model_state_bytes
 from lit_speed.precision import modes
+from lit_speed.strategies.consolidate import check_resume_world_size
+from lit_speed.strategies.ds_accelerator import use_deepspeed_accelerator
 from lit_speed.strategies.memory_estimate import format_bytes, measured_optimizer_state_bytes
 from lit_speed.strategies.zero_config import (
     PRECISIONS,
     check_offload_optimizer,
-    check_zero_optimizer,
     check_precision,
+    check_zero_optimizer,
     fp16_section,
     merge_config,
     validate_config,

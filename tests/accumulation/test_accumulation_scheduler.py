@@ -12,11 +12,23 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.helpers.accumulation import (ManualModule, ResumableLoader, StepRecorder, TinyClassifier, TinyDataModule,
-                                  TinyTokenLM, classification_data, fit, flat_params, rel_err, token_data, update)
 from lit_speed.accumulation import AccumulationScheduler
 from lit_speed.accumulation.micro_batch import measure_activation_model
 from lit_speed.accumulation.window import head_batch
+from tests.helpers.accumulation import (
+    ManualModule,
+    ResumableLoader,
+    StepRecorder,
+    TinyClassifier,
+    TinyDataModule,
+    TinyTokenLM,
+    classification_data,
+    fit,
+    flat_params,
+    rel_err,
+    token_data,
+    update,
+)
 
 TOL = 1e-6
 warnings.filterwarnings("ignore", ".*does not have many workers.*")

@@ -8,11 +8,24 @@ import torch
 import torch.nn.functional as F
 
 from lit_speed.accumulation import micro_batch as mb
+from lit_speed.accumulation.schedule import (
+    check_divisible,
+    factor_at,
+    factor_for_effective_batch,
+    lr_scale,
+    schedule_plan,
+    validate_schedule,
+    value_at,
+)
+from lit_speed.accumulation.window import (
+    count_items,
+    count_tokens,
+    head_batch,
+    scale_gradients,
+    split_batch,
+    window_scale,
+)
 from lit_speed.oom import is_oom_error
-from lit_speed.accumulation.schedule import (check_divisible, factor_at, factor_for_effective_batch, lr_scale,
-                                             schedule_plan, validate_schedule, value_at)
-from lit_speed.accumulation.window import (count_items, count_tokens, head_batch, scale_gradients, split_batch,
-                                           window_scale)
 
 
 def test_validate_schedule_copies_and_accepts_a_valid_schedule():

@@ -7,8 +7,8 @@ import pytest
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from tests.helpers.accumulation import ShardedDataModule, SyncCounter, TinyTokenLM, rel_err, token_data, update
 from lit_speed.accumulation import AccumulationScheduler
+from tests.helpers.accumulation import ShardedDataModule, SyncCounter, TinyTokenLM, rel_err, token_data, update
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tests.helpers.accumulation import TinyTokenLM, rel_err, token_data, update  # noqa: E402
 from lit_speed.accumulation import AccumulationScheduler  # noqa: E402
+from tests.helpers.accumulation import TinyTokenLM, rel_err, token_data, update  # noqa: E402
 
 pytest.importorskip("deepspeed")
 from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402

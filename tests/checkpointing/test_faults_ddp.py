@@ -15,9 +15,8 @@ import re
 import pytest
 import torch
 
-from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train
-
 from lit_speed.checkpointing import verify_checkpoint  # noqa: E402
+from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train
 
 pytestmark = pytest.mark.slow  # two processes, each importing torch + Lightning: ~1 min on 2 cores
 

@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
-from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train
-
 from lit_speed.checkpointing import CheckpointWriteError, verify_checkpoint
 from lit_speed.checkpointing.atomic_checkpoint_io import AtomicCheckpointIO
+from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
+from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train
 
 EX_IOERR = 74
 

@@ -6,18 +6,16 @@ weights, and FaultTolerance makes sure the run does not end silently.
 """
 from __future__ import annotations
 
-
 import lightning.pytorch as pl
 import pytest
 import torch
-
-from tests.helpers.fault_scripts.inject_nan import InjectNaN
 
 from lit_speed.checkpointing import FaultTolerance  # noqa: E402
 from lit_speed.checkpointing.fault_tolerance import nonfinite_parameters  # noqa: E402
 from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
 from lit_speed.precision.guarded_precision import GuardedPrecision  # noqa: E402
+from tests.helpers.fault_scripts.inject_nan import InjectNaN
 
 NAN_STEP = 2
 STEPS = 5

@@ -21,12 +21,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
-from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train
-
 from lit_speed.checkpointing import FaultTolerance, resolve_ckpt_path, verify_checkpoint  # noqa: E402
 from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
+from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
+from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train
 
 SIGKILLED = -9
 TOTAL_STEPS = 3 * STEPS_PER_EPOCH

@@ -21,12 +21,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences, metrics_rows
-from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, kill_at, train
-
 from lit_speed.checkpointing import FaultTolerance, ResumableCSVLogger  # noqa: E402
 from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
+from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences, metrics_rows
+from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, kill_at, train
 
 
 class _CrashAt(Callback):

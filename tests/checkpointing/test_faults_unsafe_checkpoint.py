@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, train
-
 from lit_speed.checkpointing import CorruptCheckpointError, last_good_checkpoint, verify_checkpoint  # noqa: E402
+from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, train
 
 
 class TouchMarker:

@@ -12,10 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from lit_speed.checkpointing import verify_checkpoint  # noqa: E402
 from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
 from tests.helpers.fault_scripts.runs import ROOT, SHORT_RUN, env, explain, kill_at, train
-
-from lit_speed.checkpointing import verify_checkpoint  # noqa: E402
 
 SIGKILLED = -9
 ZERO2 = SHORT_RUN + ["strategy=zero2"]

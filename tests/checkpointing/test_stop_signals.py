@@ -12,7 +12,14 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_speed.checkpointing import FaultTolerance
-from lit_speed.checkpointing.stop_signals import INBOX, SignalInbox, Snapshot, StepGate, keep_live_copy_rest, storage_ids
+from lit_speed.checkpointing.stop_signals import (
+    INBOX,
+    SignalInbox,
+    Snapshot,
+    StepGate,
+    keep_live_copy_rest,
+    storage_ids,
+)
 from lit_speed.data.digits import DigitsDataModule
 from lit_speed.models.mlp import MLPClassifier
 

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher  # noqa: E402
 from lightning.pytorch.loops.fit_loop import _FitLoop  # noqa: E402
-from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization, ClosureResult  # noqa: E402
+from lightning.pytorch.loops.optimization.automatic import ClosureResult, _AutomaticOptimization  # noqa: E402
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy  # noqa: E402
@@ -35,9 +35,14 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lit_speed.compat as compat  # noqa: E402
 from lit_speed.accumulation import AccumulationScheduler  # noqa: E402
 from lit_speed.checkpointing.preemption import request_stop  # noqa: E402
-from lit_speed.compat import deepspeed as ds_compat, lightning as pl_compat, torch as torch_compat  # noqa: E402
-from lit_speed.compat.lightning_data import (call_before_each_unsized_fetch, recreate_train_iterator,  # noqa: E402
-                                             train_iterator_exists)
+from lit_speed.compat import deepspeed as ds_compat  # noqa: E402
+from lit_speed.compat import lightning as pl_compat
+from lit_speed.compat import torch as torch_compat
+from lit_speed.compat.lightning_data import (  # noqa: E402
+    call_before_each_unsized_fetch,
+    recreate_train_iterator,
+    train_iterator_exists,
+)
 from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
 

@@ -6,8 +6,16 @@ import socket
 import numpy as np
 import pytest
 
-from lit_speed.data.charlm import (VOCAB, VOCAB_SIZE, TokenWindows, build_corpus, decode, encode, list_source_files,
-                                   unigram_cross_entropy)
+from lit_speed.data.charlm import (
+    VOCAB,
+    VOCAB_SIZE,
+    TokenWindows,
+    build_corpus,
+    decode,
+    encode,
+    list_source_files,
+    unigram_cross_entropy,
+)
 
 
 @pytest.fixture

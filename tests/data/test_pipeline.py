@@ -8,8 +8,16 @@ from torch.utils.data import DataLoader, TensorDataset
 import lit_speed
 from lit_speed.data.charlm import CharLMDataModule, TokenWindows
 from lit_speed.data.digits import DigitsDataModule
-from lit_speed.data.pipeline import (BatchFetch, check_worker_options, jitter_images, loader_kwargs, preload,
-                                     resolve_num_workers, resolve_pin_memory, truncate_sequences)
+from lit_speed.data.pipeline import (
+    BatchFetch,
+    check_worker_options,
+    jitter_images,
+    loader_kwargs,
+    preload,
+    resolve_num_workers,
+    resolve_pin_memory,
+    truncate_sequences,
+)
 
 
 def _batches(loader, n=5, seed=0):

@@ -11,8 +11,13 @@ import pytest
 import torch
 
 from lit_speed.finetune.adapters import add_adapters, frozen_fingerprint
-from lit_speed.finetune.frozen_base import (choose_base_compute, frozen_base_bytes, lower_frozen_base,
-                                            set_base_compute, unwrap_frozen_base)
+from lit_speed.finetune.frozen_base import (
+    choose_base_compute,
+    frozen_base_bytes,
+    lower_frozen_base,
+    set_base_compute,
+    unwrap_frozen_base,
+)
 from lit_speed.finetune.peft_adapters import PEFTAdapters
 from lit_speed.memory.memory_tracker import LiveTensorTracker
 from lit_speed.models.gpt import GPTModule

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from lit_speed.run.config_error import ConfigError
 from lit_speed.finetune.adapters import add_adapters, module_names_matching, parameter_counts
 from lit_speed.finetune.export import export_merged
 from lit_speed.finetune.peft_adapters import PEFTAdapters
 from lit_speed.models.gpt import GPTModule
+from lit_speed.run.config_error import ConfigError
 from lit_speed.run.runner import train
 
 SIZES = {"vocab_size": 97, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}

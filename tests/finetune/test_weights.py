@@ -5,10 +5,10 @@ import pytest
 import torch
 from safetensors.torch import save_model
 
-from lit_speed.run.config_error import ConfigError
 from lit_speed.finetune.init_weights import InitWeights
 from lit_speed.finetune.weights import load_weights, read_state_dict
 from lit_speed.models.gpt import GPTModule
+from lit_speed.run.config_error import ConfigError
 from lit_speed.run.runner import build, train
 from tests.helpers.tiny_hf import save_tiny_causal_lm
 

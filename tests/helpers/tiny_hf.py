@@ -55,8 +55,16 @@ def save_tiny_causal_lm(folder: str | Path, arch: str = "llama", seed: int = 0, 
         tokenizer: Save the tokenizer files too; ``False`` leaves a folder of weights and ``config.json`` only.
         model_vocab_size: Embedding rows when they should differ from the tokenizer's vocabulary (default: equal).
     """
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        OPTConfig,
+        OPTForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     folder = Path(folder)
     trained = tiny_tokenizer(vocab_size)

@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lit_speed.precision.guarded_precision import GuardedPrecision  # noqa: E402
-from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402
 from lit_speed.run.launch_env import release_process_group  # noqa: E402
+from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402
 
 NAN_STEP, STEPS = 2, 5
 

@@ -7,10 +7,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from tests.helpers.memory import TINY_GPT, adamw, charlm_datamodule
 from lit_speed.memory.activation_checkpointing import ActivationCheckpointing, checkpoint_modules, restore_modules
 from lit_speed.memory.memory_tracker import LiveTensorTracker
 from lit_speed.models.gpt import GPT, Block, GPTModule
+from tests.helpers.memory import TINY_GPT, adamw, charlm_datamodule
 
 
 def _grads_and_peak(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], int]:

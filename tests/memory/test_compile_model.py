@@ -5,9 +5,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from tests.helpers.memory import adamw, charlm_datamodule
 from lit_speed.memory.compile_model import CompileModel, compile_modules, is_compiled, uncompile_modules
 from lit_speed.models.gpt import GPT, GPTModule
+from tests.helpers.memory import adamw, charlm_datamodule
 
 SMALL = {"vocab_size": 97, "block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32}
 

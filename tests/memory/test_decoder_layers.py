@@ -7,8 +7,12 @@ import torch
 from torch import nn
 
 from lit_speed.memory.activation_checkpointing import ActivationCheckpointing, checkpoint_modules, restore_modules
-from lit_speed.memory.decoder_layers import (decoder_layer_activation_bytes, decoder_layer_activation_bytes_of,
-                                             decoder_layer_types, saved_bytes_per_layer)
+from lit_speed.memory.decoder_layers import (
+    decoder_layer_activation_bytes,
+    decoder_layer_activation_bytes_of,
+    decoder_layer_types,
+    saved_bytes_per_layer,
+)
 from lit_speed.models.gpt import GPT, Block
 from lit_speed.models.mlp import MLPClassifier
 from tests.helpers.memory import TINY_GPT

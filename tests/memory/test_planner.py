@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.memory import ROOT, TINY_GPT, adamw, charlm_datamodule, measured_fit_peak
 from lit_speed.memory.model_state import state_bytes
 from lit_speed.memory.planner import Probe, plan, resize_batch
 from lit_speed.models.gpt import GPTModule
+from tests.helpers.memory import ROOT, TINY_GPT, adamw, charlm_datamodule, measured_fit_peak
 
 P = 1_000_000
 

@@ -8,8 +8,14 @@ import torch
 from torch import nn
 
 from lit_speed.memory.memory_tracker import LiveTensorTracker
-from lit_speed.memory.rss_estimate import (ALLOCATOR_SLACK, ScaledProbe, count_parameters, load_peak_bytes,
-                                           predict_peak_rss, probe_scaled)
+from lit_speed.memory.rss_estimate import (
+    ALLOCATOR_SLACK,
+    ScaledProbe,
+    count_parameters,
+    load_peak_bytes,
+    predict_peak_rss,
+    probe_scaled,
+)
 
 
 class ToyLM(nn.Module):

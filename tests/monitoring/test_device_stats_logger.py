@@ -9,7 +9,6 @@ from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
-
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
@@ -20,7 +19,6 @@ from torch.utils.data import DataLoader, Dataset
 from lit_speed import DeviceStatsLogger
 from lit_speed.monitoring import METRICS
 from lit_speed.monitoring.samplers import NvmlSampler
-
 
 SGD = partial(torch.optim.SGD, lr=0.01)
 

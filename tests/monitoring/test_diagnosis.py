@@ -4,15 +4,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_speed.monitoring.device_stats_logger import interval_metrics
-from lit_speed.monitoring.diagnosis import (HEADROOM_GROW_FRAC, HEADROOM_TIGHT_FRAC, INPUT_BOUND_FRAC,
-                                            OPTIMIZER_BOUND_FRAC, RunStats, diagnose, verdict_rows)
 from lit_speed import GuardedPrecision
-from lit_speed.precision.modes import compute_dtype
-from lit_speed.monitoring.flops import (FlopCount, contains_compiled, gpu_peak_flops,
-                                       measure_cpu_peak_flops)
+from lit_speed.monitoring.device_stats_logger import interval_metrics
+from lit_speed.monitoring.diagnosis import (
+    HEADROOM_GROW_FRAC,
+    HEADROOM_TIGHT_FRAC,
+    INPUT_BOUND_FRAC,
+    OPTIMIZER_BOUND_FRAC,
+    RunStats,
+    diagnose,
+    verdict_rows,
+)
+from lit_speed.monitoring.flops import FlopCount, contains_compiled, gpu_peak_flops, measure_cpu_peak_flops
 from lit_speed.monitoring.samplers import summarize_gpu_samples
 from lit_speed.monitoring.step_timer import StepTimer, TimeSplit, attribute
+from lit_speed.precision.modes import compute_dtype
 
 GIB = 2**30
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.optim import Muon
 
-from lit_speed.optim.batched_muon import BatchedMuon, adjusted_lr, newton_schulz_batched
 from lit_speed.models.gpt import GPT
+from lit_speed.optim.batched_muon import BatchedMuon, adjusted_lr, newton_schulz_batched
 
 
 def _matrices() -> list[torch.nn.Parameter]:

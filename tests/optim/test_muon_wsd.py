@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
+from lit_speed.models.configure_optimizers import configure_optimizers, param_groups
 from lit_speed.models.gpt import GPT
 from lit_speed.optim.muon import MuonAdamW, split_for_muon
-from lit_speed.models.configure_optimizers import configure_optimizers, param_groups
 from lit_speed.optim.schedules import warmup_stable_decay, wsd_factor
 
 

@@ -11,16 +11,15 @@ import json
 import pytest
 import torch
 
-from lit_speed.run.config_check import preflight
-
-from lit_speed.run.config_error import ConfigError
 from lit_speed.data.charlm import CharLMDataModule
 from lit_speed.data.digits import DigitsDataModule
 from lit_speed.models.gpt import GPTModule
 from lit_speed.models.mlp import MLPClassifier
-from lit_speed.run_contract import BatchConsumer, BatchSource
+from lit_speed.run.config_check import preflight
+from lit_speed.run.config_error import ConfigError
 from lit_speed.run.run_checks import check_activation_memory
 from lit_speed.run.runner import build, train
+from lit_speed.run_contract import BatchConsumer, BatchSource
 from tests.helpers.repo import CONF, compose_config
 
 DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))

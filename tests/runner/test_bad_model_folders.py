@@ -18,7 +18,8 @@ import pytest
 
 from lit_speed.run.config_error import ConfigError
 from lit_speed.run.runner import train
-from tests.helpers.fault_scripts.runs import explain, train as train_script
+from tests.helpers.fault_scripts.runs import explain
+from tests.helpers.fault_scripts.runs import train as train_script
 
 pytest.importorskip("transformers")
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from lit_speed.run.config_check import preflight
-
 from lit_speed.run.config_error import ConfigError
 from tests.helpers.repo import ROOT, run_train_script
 

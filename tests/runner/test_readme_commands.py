@@ -14,7 +14,6 @@ import shlex
 import pytest
 
 from lit_speed.run.config_check import preflight
-
 from lit_speed.run.config_error import ConfigError
 from tests.helpers.repo import ROOT, docs_text
 

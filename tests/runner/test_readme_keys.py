@@ -17,10 +17,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from lit_speed import AccumulationScheduler, GuardedPrecision
-from lit_speed.run.config_check import preflight
 from lit_speed.data.charlm import CharLMDataModule
 from lit_speed.data.digits import DigitsDataModule
 from lit_speed.data.text_folder import TextFolderDataModule
+from lit_speed.run.config_check import preflight
 from tests.helpers.repo import CONF, ROOT, docs_text
 
 README = docs_text()  # the top README and the component cards

@@ -14,21 +14,29 @@ from lit_speed.curriculum.curriculum_data_module import CurriculumDataModule
 from lit_speed.curriculum.curriculum_early_stopping import CurriculumEarlyStopping
 from lit_speed.data.charlm import CharLMDataModule
 from lit_speed.data.digits import DigitsDataModule
+from lit_speed.data.text_folder import TextFolderDataModule
+from lit_speed.finetune import InitWeights, PEFTAdapters
 from lit_speed.memory.activation_checkpointing import ActivationCheckpointing
 from lit_speed.memory.compile_model import CompileModel
 from lit_speed.models.gpt import GPTModule
-from lit_speed.data.text_folder import TextFolderDataModule
-from lit_speed.finetune import InitWeights, PEFTAdapters
 from lit_speed.models.mlp import MLPClassifier
 from lit_speed.monitoring.device_stats_logger import DeviceStatsLogger
 from lit_speed.precision.guarded_precision import GuardedPrecision
 from lit_speed.precision.zero_guard import GuardedDeepSpeedPrecision
 from lit_speed.reporting.fixed_validation import FixedValidationClock
 from lit_speed.reporting.time_to_target import TimeToTarget
-from lit_speed.run_contract import (AccumulationReport, ModelPreparer, MonitoredModel, StartupReport, SummaryExtra,
-                                    SummaryReport, WorkloadReport, startup_rows_of)
 from lit_speed.run.run_plan_check import largest_accumulation_factor
 from lit_speed.run.runner import _accumulation_factor, build, component_summaries, workload_extras
+from lit_speed.run_contract import (
+    AccumulationReport,
+    ModelPreparer,
+    MonitoredModel,
+    StartupReport,
+    SummaryExtra,
+    SummaryReport,
+    WorkloadReport,
+    startup_rows_of,
+)
 from lit_speed.strategies.zero_strategy import ZeroStrategy
 
 STARTUP_REPORTERS = [DigitsDataModule, CharLMDataModule, CurriculumDataModule, GuardedPrecision, ZeroStrategy,

@@ -6,7 +6,6 @@ import json
 import pytest
 
 from lit_speed.run.config_check import preflight
-
 from lit_speed.run.config_error import ConfigError
 from lit_speed.run.runner import train
 from tests.helpers.repo import CONF, run_train_script

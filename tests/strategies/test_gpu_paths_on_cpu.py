@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_speed.oom import is_oom_error
 from lit_speed.monitoring.step_timer import StepTimer
+from lit_speed.oom import is_oom_error
 
 
 class FakeCudaEvent:
@@ -70,10 +70,10 @@ def test_torch_cuda_oom_is_what_recovery_catches() -> None:
 
 
 def test_cuda_oom_in_a_real_fit_retries_the_window_with_half_the_micro_batch() -> None:
-    from tests.helpers.accumulation import TinyClassifier, classification_data, fit
     from torch.utils.data import DataLoader
 
     from lit_speed.accumulation.accumulation_scheduler import AccumulationScheduler
+    from tests.helpers.accumulation import TinyClassifier, classification_data, fit
 
     class CudaOOMOnce(TinyClassifier):
         """Raises what the CUDA caching allocator raises, once, on the second micro-batch of the last window."""

@@ -12,11 +12,11 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_on_one_gpu_matches_ddp(tmp_path, stage: int) -> None:
-    from deepspeed.accelerator import get_accelerator
-    from tests.helpers.zero import make_run
     import lightning.pytorch as pl
+    from deepspeed.accelerator import get_accelerator
 
     from lit_speed.strategies.zero_strategy import ZeroStrategy
+    from tests.helpers.zero import make_run
 
     losses = {}
     for name, strategy in (("ddp", "ddp"), ("zero", ZeroStrategy(stage=stage))):
@@ -41,10 +41,10 @@ def test_pytest_runs_deepspeed_on_the_cuda_accelerator() -> None:
 
 
 def test_fp16_on_gpu_takes_the_scaler_config(tmp_path) -> None:
-    from tests.helpers.zero import make_run
     import lightning.pytorch as pl
 
     from lit_speed.strategies.zero_strategy import ZeroStrategy
+    from tests.helpers.zero import make_run
 
     guarded = SimpleNamespace(precision="16-mixed", mode="mixed", on_nonfinite="skip",
                               scaler_config={"init_scale": 2.0 ** 10, "growth_interval": 100})

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.helpers.zero import clean_env
 
 pytestmark = pytest.mark.slow  # every test starts 2+ Python processes that import torch, Lightning and DeepSpeed

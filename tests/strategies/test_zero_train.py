@@ -13,11 +13,10 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tests.helpers.zero import clean_env, make_run, make_trainer  # noqa: E402
-
 from lit_speed.optim.schedules import warmup_cosine  # noqa: E402
 from lit_speed.strategies.consolidate import consolidate_zero_checkpoint  # noqa: E402
 from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402
+from tests.helpers.zero import clean_env, make_run, make_trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # fp32 on both sides; ZeRO steps AdamW on one flat fp32 buffer instead of per-parameter tensors, which may

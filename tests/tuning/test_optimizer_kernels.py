@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_speed.optim.batched_muon import BatchedMuon, newton_schulz_batched
 from lit_speed.models.gpt import GPT
+from lit_speed.optim.batched_muon import BatchedMuon, newton_schulz_batched
 from lit_speed.optim.muon import MuonAdamW
 from lit_speed.tuning import Decision
 from lit_speed.tuning.optimizer_kernels import adamw_flags, probe_tensors
