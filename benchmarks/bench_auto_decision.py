@@ -62,9 +62,9 @@ def main() -> None:
     candidates = list(modes.TIMED_CANDIDATES)
 
     def reference() -> dict[str, float]:
-        times = step_timing._time_interleaved(step_timing._detached_copy(model), batch, candidates,
-                                              args.reference_rounds, float("inf"), step_timing._loss_of)
-        return {m: float(t) for m, t in times.items() if t is not None}
+        samples = step_timing._sample_interleaved(step_timing._detached_copy(model), batch, candidates,
+                                                  args.reference_rounds, float("inf"), step_timing._loss_of)
+        return {m: float(t) for m, t in step_timing._medians(samples).items() if t is not None}
 
     before = reference()
     print("reference before: " + ", ".join(f"{m} {1000 * t:.2f} ms" for m, t in before.items()), flush=True)

@@ -54,7 +54,7 @@ SLOW_TIER = (
     "tests/runner/test_startup_table.py::test_a_default_run_prints_no_tip_and_no_deprecation",
     "tests/runner/test_bad_input.py::test_switching_a_presets_component_runs_or_stops_in_one_line[experiment=charlm_fast "
     "precision=bf16-mixed]",
-    "tests/tuning/test_optimizer_kernels.py::test_on_two_processes_rank_zero_decides_for_both",
+    "tests/optim/test_kernel_choice.py::test_on_two_processes_rank_zero_decides_for_both",
     "tests/checkpointing/test_faults_unsafe_checkpoint.py::test_a_named_checkpoint_holding_a_payload_is_refused_in_one_"
     "line",
 )

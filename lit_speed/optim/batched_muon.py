@@ -19,10 +19,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Muon
 
+from lit_speed.optim.kernel_choice import NS_DTYPES
 from lit_speed.optim.state_cost import whole_tensor_bytes
 
-#: ``ns_dtype`` values: a dtype name, or ``"auto"`` (timed on this machine).
-NS_DTYPE_CHOICES = ("bfloat16", "float32", "auto")
+#: ``ns_dtype`` values: a dtype name (the ones :func:`~lit_speed.optim.kernel_choice.choose_ns_dtype` times), or
+#: ``"auto"`` (timed on this machine).
+NS_DTYPE_CHOICES = (*NS_DTYPES, "auto")
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
@@ -67,7 +69,7 @@ class BatchedMuon(Muon):
 
     One addition: ``ns_dtype``, the dtype of the Newton-Schulz iteration: ``"bfloat16"`` (torch's), ``"float32"``,
     or ``"auto"``: timed once on this machine on the optimizer's own bucket shapes before the first step
-    (:func:`~lit_speed.tuning.optimizer_kernels.choose_ns_dtype`, cached per machine; rank 0 decides for all). The
+    (:func:`~lit_speed.optim.kernel_choice.choose_ns_dtype`, cached per machine; rank 0 decides for all). The
     choice is kept in every param group, so a checkpoint carries it and a resume does not time again.
 
     Example::
@@ -93,7 +95,8 @@ class BatchedMuon(Muon):
         """Decide ``ns_dtype="auto"`` now (see the class docstring); nothing when every group has a dtype."""
         if not any(g.get("ns_dtype") == "auto" for g in self.param_groups):
             return
-        from lit_speed.tuning.optimizer_kernels import choose_ns_dtype, on_rank_zero
+        from lit_speed.optim.kernel_choice import choose_ns_dtype
+        from lit_speed.tuning.measured_choice import on_rank_zero
 
         counts: dict[tuple[int, int], int] = defaultdict(int)
         group = next(g for g in self.param_groups if g["params"])

@@ -15,8 +15,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import AdamW, Optimizer
 
 from lit_speed.optim.batched_muon import NS_DTYPE_CHOICES, BatchedMuon
+from lit_speed.optim.kernel_choice import ADAMW_KERNELS, adamw_flags, choose_adamw_kernel
 from lit_speed.optim.state_cost import whole_tensor_bytes
-from lit_speed.tuning.optimizer_kernels import ADAMW_KERNELS, adamw_flags, choose_adamw_kernel, on_rank_zero
+from lit_speed.tuning.measured_choice import on_rank_zero
 
 #: Parameter names (substrings) that always go to AdamW: embeddings and the output head.
 DEFAULT_ADAMW_NAMES = ("wte", "wpe", "emb", "lm_head", "head")

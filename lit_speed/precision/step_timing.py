@@ -21,7 +21,6 @@ import copy
 import json
 import math
 import statistics
-import time
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -35,17 +34,14 @@ from lit_speed.precision import modes as mode_table
 from lit_speed.precision.fp32_modules import cast_floating
 from lit_speed.precision.master_weights import MasterWeights
 from lit_speed.tuning.machine_cache import cache_dir, disk_cache_enabled, hardware, read_json, write_entry
+from lit_speed.tuning.measured_choice import MIN_GAIN, choose_fastest, time_interleaved
 
-#: A low-precision mode must beat 32-true by this fraction to be chosen. It is also the most a wrong keep of
-#: 32-true can cost: at 0.05, 5 of 20 cold decisions on charlm_fast kept 32-true while bf16-master was 6.6%
-#: faster; at 0.02 the worst of 25 decisions cost 1.9% (benchmarks/bench_auto_decision.py, LOG.md 2026-11-23).
-MIN_GAIN = 0.02
 #: An undecided entry (32-true kept although a low-precision mode timed faster, inside the margin) is timed
 #: again by the next runs, pooling their rounds, until it holds this many rounds per mode: a first decision made
 #: in a noisy second is not cached for good.
 SETTLE_ROUNDS = 36
-#: Bumped when the timing procedure changes, so older cached timings are not reused.
-PROCEDURE = 4
+#: Bumped when the timing procedure changes, so older cached timings are not reused (5: lit_speed.tuning's loop).
+PROCEDURE = 5
 _CACHE: dict[str, dict[str, Any]] = {}  # cache key -> {"times": ..., "when": date or None}
 
 
@@ -148,11 +144,9 @@ class _ModeRun:
         module_dtype = spec.module_dtype
         self.convert: Callable[[Any], Any] = (lambda b: cast_floating(b, module_dtype)) \
             if module_dtype is not None else (lambda b: b)
-        self.times: list[float] = []
         self.finite = True
 
-    def step(self, batch: Any) -> float:
-        start = time.perf_counter()
+    def step(self, batch: Any) -> None:
         with self.context():
             loss = self.loss_fn(self.model, self.convert(batch))
         if not torch.isfinite(loss.detach()).all():
@@ -163,50 +157,38 @@ class _ModeRun:
         if self.masters is not None:
             self.masters.copy_to_model()
         if self.device_type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-
-def _time_interleaved(base: nn.Module, batch: Any, modes: Sequence[str], steps: int, budget_s: float,
-                      loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> dict[str, float | None]:
-    """Median step seconds per mode (``None``: the mode's loss was not finite or it could not run)."""
-    return _medians(_sample_interleaved(base, batch, modes, steps, budget_s, loss_fn))
+            torch.cuda.synchronize()  # the step's kernels are in its time
 
 
 def _sample_interleaved(base: nn.Module, batch: Any, modes: Sequence[str], steps: int, budget_s: float,
                         loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> dict[str, list[float] | None]:
-    """Every timed step's seconds per mode, in round order (``None`` as in :func:`_time_interleaved`)."""
-    deadline = time.perf_counter() + budget_s
-    runs: dict[str, _ModeRun | None] = {}
-    for mode in modes:
-        try:
-            run = _ModeRun(base, mode, loss_fn)
-            run.step(batch)  # warm-up: allocations, kernel selection
-            runs[mode] = run if run.finite else None
-        except RuntimeError:  # e.g. float inputs into a bf16 module: this mode cannot run this step
-            runs[mode] = None
-    live = [m for m in modes if runs[m] is not None]
-    for r in range(max(steps, 2)):
-        if r >= 2 and time.perf_counter() > deadline:
-            break
-        for mode in live[r % len(live):] + live[:r % len(live)] if live else []:
-            run = runs[mode]
-            assert run is not None
-            run.times.append(run.step(batch))
-    return {m: (list(runs[m].times) if runs[m] is not None and runs[m].finite else None)  # type: ignore[union-attr]
-            for m in modes}
+    """Every timed step's seconds per mode, in round order, by :func:`lit_speed.tuning.time_interleaved` (one
+    warm-up step each, then rotating rounds); ``None`` for a mode that could not run or whose loss was not finite."""
+    runs: dict[str, _ModeRun] = {}
+
+    def candidate(mode: str) -> Callable[[], None]:
+        def step() -> None:
+            if mode not in runs:  # the warm-up call builds the mode's copy: allocations, kernel selection
+                runs[mode] = _ModeRun(base, mode, loss_fn)  # a RuntimeError here: the mode cannot run this step
+                runs[mode].step(batch)
+                if not runs[mode].finite:
+                    raise ValueError(f"{mode}: the loss is not finite")  # left out of the rounds
+                return
+            runs[mode].step(batch)
+        return step
+
+    samples = time_interleaved({mode: candidate(mode) for mode in modes}, rounds=steps, budget_s=budget_s)
+    return {m: (samples[m] if samples[m] is not None and runs[m].finite else None) for m in modes}
 
 
 def choose_by_timing(times: dict[str, float | None], min_gain: float = MIN_GAIN) -> tuple[str, str]:
-    """The fastest finite mode, and the reason with every measured step time (for the start-up table)."""
+    """The fastest finite mode by :func:`lit_speed.tuning.choose_fastest` (``32-true`` kept unless another mode
+    beats it by ``min_gain``), and the reason with every measured step time (for the start-up table)."""
     finite = {m: t for m, t in times.items() if t is not None and math.isfinite(t)}
     shown = ", ".join(f"{m} {1000 * t:.1f} ms" if t is not None else f"{m} non-finite" for m, t in times.items())
     if not finite:
         return mode_table.BASELINE, f"no mode gave a finite loss when timed ({shown})"
-    best = min(finite, key=finite.get)  # type: ignore[arg-type]
-    base = finite.get(mode_table.BASELINE)
-    if base is not None and best != mode_table.BASELINE and finite[best] > (1 - min_gain) * base:
-        best = mode_table.BASELINE
+    best, _ = choose_fastest({mode_table.BASELINE: None, **finite}, mode_table.BASELINE, min_gain)
     return best, f"timed this model's step on one micro-batch: {shown}"
 
 
@@ -337,10 +319,10 @@ def choose_threads(module: nn.Module, batch: Any, mode: str, counts: Sequence[in
         base = _detached_copy(module)
         runs = {n: _ModeRun(base, mode, _loss_of) for n in counts}
 
-        def at(n: int) -> Callable[[], float]:
-            def run() -> float:
+        def at(n: int) -> Callable[[], None]:
+            def run() -> None:
                 torch.set_num_threads(n)
-                return runs[n].step(step_input)
+                runs[n].step(step_input)
             return run
 
         try:

@@ -16,8 +16,12 @@ from typing import Any, Callable, Mapping
 
 from lit_speed.tuning.machine_cache import cache_dir, disk_cache_enabled, machine_key, read_json, write_entry
 
-#: The default is kept unless another candidate takes at most ``1 - MIN_GAIN`` of its time.
-MIN_GAIN = 0.03
+#: The default is kept unless another candidate takes at most ``1 - MIN_GAIN`` of its time: one margin for every
+#: measured choice (precision=auto, threads, Muon's dtype, AdamW's kernel). It is also the most a wrong keep of
+#: the default can cost: at 0.05, 5 of 20 cold precision=auto decisions on charlm_fast kept 32-true while
+#: bf16-master was 6.6% faster; at 0.02 the worst of 25 decisions cost 1.9% (benchmarks/bench_auto_decision.py,
+#: LOG.md 2026-11-23).
+MIN_GAIN = 0.02
 
 
 @dataclass
@@ -111,3 +115,15 @@ def measured_choice(name: str, key: Mapping[str, Any], candidates: Mapping[str, 
     if cached_on:
         reason = f"{reason} (cached {cached_on} in {path})"
     return Decision(name, chosen, reason, dict(entry["times"]), cached_on)
+
+
+def on_rank_zero(decide: Callable[[], Decision]) -> Decision:
+    """``decide()`` on rank 0 only, its decision sent to every process when ``torch.distributed`` runs several:
+    the ranks must step alike, and one timing is enough."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return decide()
+    box = [decide() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

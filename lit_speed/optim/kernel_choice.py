@@ -8,8 +8,9 @@ Two choices that change speed and not the math (beyond float rounding), and whos
 - **Muon's Newton-Schulz dtype** (``bfloat16``, as torch's Muon, or ``float32``): bf16 matmuls ran 2-6x faster than
   fp32 on an AVX512-BF16 Zen4 and an AMX Xeon, and 57-507x *slower* on a Zen3 without bf16 kernels.
 
-Each is decided once per machine and parameter layout by :func:`~lit_speed.tuning.measured_choice.measured_choice`
-(interleaved timing, cached), on copies: the run's own parameters, gradients and optimizer state are not touched.
+Each is declared here, next to the optimizers that use it, and decided once per machine and parameter layout by
+:func:`lit_speed.tuning.measured_choice` (the one timing method: interleaved, one margin, cached per machine), on
+copies: the run's own parameters, gradients and optimizer state are not touched.
 """
 from __future__ import annotations
 
@@ -76,15 +77,3 @@ def choose_ns_dtype(shapes: Sequence[Sequence[int]], orthogonalise: Callable[[Te
     candidates = {name: run_in(getattr(torch, name)) for name in NS_DTYPES}
     full_key = {"shapes": sorted(list(s) for s in shapes), "device": str(device), **(key or {})}
     return measured_choice("optimizer.ns_dtype", full_key, candidates, default)
-
-
-def on_rank_zero(decide: Callable[[], Decision]) -> Decision:
-    """``decide()`` on rank 0 only, its decision sent to every process when ``torch.distributed`` runs several:
-    the ranks must step alike, and one timing is enough."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return decide()
-    box = [decide() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

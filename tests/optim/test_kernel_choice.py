@@ -6,9 +6,9 @@ import torch
 
 from lit_speed.models.gpt import GPT
 from lit_speed.optim.batched_muon import BatchedMuon, newton_schulz_batched
+from lit_speed.optim.kernel_choice import adamw_flags, probe_tensors
 from lit_speed.optim.muon import MuonAdamW
 from lit_speed.tuning import Decision
-from lit_speed.tuning.optimizer_kernels import adamw_flags, probe_tensors
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int = 0) -> None:
@@ -23,7 +23,7 @@ def fixed_choice(monkeypatch):
     """The timing replaced by a fixed decision (what is tested is the wiring, not this machine's speed)."""
     def choose(kind, chosen):
         decision = Decision(f"optimizer.{kind}", chosen, "stand-in")
-        monkeypatch.setattr(f"lit_speed.tuning.optimizer_kernels.choose_{kind}", lambda *a, **k: decision)
+        monkeypatch.setattr(f"lit_speed.optim.kernel_choice.choose_{kind}", lambda *a, **k: decision)
         return decision
     return choose
 
@@ -33,7 +33,7 @@ def test_auto_adamw_kernel_is_applied_before_the_first_step_and_kept_in_the_chec
                                                                                       kernel):
     fixed_choice("adamw_kernel", kernel)
     monkeypatch.setattr("lit_speed.optim.muon.choose_adamw_kernel",
-                        __import__("lit_speed.tuning.optimizer_kernels", fromlist=["x"]).choose_adamw_kernel)
+                        __import__("lit_speed.optim.kernel_choice", fromlist=["x"]).choose_adamw_kernel)
     model = GPT(97, 16, 2, 2, 32)
     opt = MuonAdamW(model.named_parameters(), adamw_kernel="auto")
     _step(model, opt)
@@ -53,7 +53,7 @@ def test_auto_ns_dtype_is_decided_once_and_kept_in_the_checkpoint(fixed_choice, 
     _step(model, opt)
     assert opt.muon.ns_decision.chosen == "float32"
     assert all(g["ns_dtype"] == "float32" for g in opt.state_dict()["param_groups"][:len(opt.muon.param_groups)])
-    monkeypatch.setattr("lit_speed.tuning.optimizer_kernels.choose_ns_dtype", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr("lit_speed.optim.kernel_choice.choose_ns_dtype", lambda *a, **k: pytest.fail("timed"))
     resumed = MuonAdamW(GPT(97, 16, 2, 2, 32).named_parameters(), ns_dtype="auto")
     resumed.load_state_dict(opt.state_dict())
     resumed.muon.resolve_ns_dtype()
@@ -71,7 +71,7 @@ def test_auto_choices_are_timed_on_the_optimizers_own_shapes(monkeypatch):
         seen["adamw"] = sorted(tuple(p.shape) for p in params)
         return Decision("optimizer.adamw_kernel", "foreach", "stand-in")
 
-    monkeypatch.setattr("lit_speed.tuning.optimizer_kernels.choose_ns_dtype", ns)
+    monkeypatch.setattr("lit_speed.optim.kernel_choice.choose_ns_dtype", ns)
     monkeypatch.setattr("lit_speed.optim.muon.choose_adamw_kernel", adamw)
     model = GPT(97, 16, 2, 2, 32)
     opt = MuonAdamW(model.named_parameters(), ns_dtype="auto", adamw_kernel="auto", ns_steps=3)
@@ -108,7 +108,7 @@ def test_probe_tensors_cap_the_copied_elements_but_keep_one():
 def _rank_decides(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from lit_speed.tuning.optimizer_kernels import on_rank_zero
+    from lit_speed.tuning.measured_choice import on_rank_zero
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
