@@ -36,7 +36,7 @@ from _common import ROOT, stats, write_result
 from lit_speed.data.charlm import CharLMDataModule
 from lit_speed.models.gpt import GPTModule
 from lit_speed.optim.schedules import warmup_cosine
-from lit_speed.run.run_summary import RunSummary
+from lit_speed.run.summary import RunSummary
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=4)
 CACHE = str(ROOT / ".cache" / "charlm")

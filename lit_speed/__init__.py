@@ -37,7 +37,7 @@ _EXPORTS = {
     "unchunk_hf_loss": "lit_speed.memory.hf_chunked_loss",
     "hf_lm_head": "lit_speed.memory.hf_chunked_loss",
     "plan": "lit_speed.memory.planner",
-    "RunSummary": "lit_speed.run.run_summary",
+    "RunSummary": "lit_speed.run.summary",
     "AtomicCheckpointIO": "lit_speed.checkpointing.atomic_checkpoint_io",
     "FaultTolerance": "lit_speed.checkpointing.fault_tolerance",
     "DigitsDataModule": "lit_speed.data.digits",

@@ -11,7 +11,7 @@ Who reports what (checked by ``tests/runner/test_run_contract.py``):
 - :class:`SummaryReport` (``final_summary()``): GuardedPrecision (and its ZeRO form), ZeroStrategy and the
   callbacks; stored under ``summary.json["components"][<class name>]``.
 - :class:`AccumulationReport` (``current_factor``, ``factors``): AccumulationScheduler; the runner shows the
-  factor in the effective-batch row and :class:`~lit_speed.run.run_plan_check.RunPlanCheck` checks the largest one.
+  factor in the effective-batch row and :class:`~lit_speed.run.plan_check.RunPlanCheck` checks the largest one.
 - :class:`AccumulationPlan` (``accumulation_plan(micro_batch, world_size)``): AccumulationScheduler; the factor at the
   start and where the schedule goes, for the effective-batch row (a schedule the micro-batch cannot hold is refused).
 - :class:`WorkloadReport` (``summary_extras()``): a workload's own reference numbers (CharLMDataModule's unigram
@@ -23,12 +23,12 @@ Who reports what (checked by ``tests/runner/test_run_contract.py``):
 - :class:`EndOfRunReport` (``end_rows()``): rows for the end-of-run table (DeviceStatsLogger: throughput and MFU).
 - :class:`BatchSource` (``batch_kind``) and :class:`BatchConsumer` (``accepted_batch_kinds``): what a DataModule
   yields and what a model's ``training_step`` takes, class attributes read before anything is built
-  (``lit_speed.run.run_checks.check_data_model`` refuses a pair that does not fit; a class that declares nothing is
+  (``lit_speed.run.config_rules.check_data_model`` refuses a pair that does not fit; a class that declares nothing is
   not checked).
 - :class:`TokenSource` (``token_limits()``) and :class:`TokenModel` (classmethod ``input_limits(config)``): the ids and
   window a token DataModule yields (TextFolderDataModule: its tokenizer; CharLMDataModule) and the embedding rows and
   positions a model has (HFCausalLM from ``config.json``, GPTModule), compared before the model's weights load
-  (``lit_speed.run.run_checks.check_tokens_fit_model``).
+  (``lit_speed.run.model_checks.check_tokens_fit_model``).
 - :class:`ModelPreparer` (``prepare_model(model)``): a callback that changes the model before training (InitWeights
   loads weights, PEFTAdapters adds adapters and freezes the base); the runner calls it, in callback order, right
   after building the model, so the start-up table shows the model that trains and a refusal is a ``Config error``.
@@ -138,7 +138,7 @@ class MonitorFollower(Protocol):
 
     ``follow_monitor(monitor, mode)`` is called once, at the end of the first validation, when neither the config
     nor the model named a metric and the runner chose one from the logged metrics
-    (:func:`lit_speed.run.run_monitor.choose_monitor`); a callback that already follows one keeps it.
+    (:func:`lit_speed.run.monitor.choose_monitor`); a callback that already follows one keeps it.
     """
 
     def follow_monitor(self, monitor: str, mode: str) -> None:
@@ -219,7 +219,7 @@ class TokenSource(Protocol):
 
     ``token_limits()`` may load the tokenizer (cheap next to the model's weights) and raises ``ValueError`` naming its
     argument when it cannot (a folder without a usable tokenizer). The runner asks it right after building the
-    DataModule, before the model is built (:func:`lit_speed.run.run_checks.check_tokens_fit_model`).
+    DataModule, before the model is built (:func:`lit_speed.run.model_checks.check_tokens_fit_model`).
     """
 
     def token_limits(self) -> TokenLimits:

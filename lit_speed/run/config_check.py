@@ -255,8 +255,8 @@ def preflight(argv: Sequence[str], config_name: str = "train", config_dir: Path 
 
 def _compose_checked(config_name: str, overrides: list[str], firsts: list[str], searchpath: list[str]) -> DictConfig:
     """Compose (Hydra initialised), check, and on failure blame the first override whose removal composes."""
+    from lit_speed.run.config_rules import check_config  # imported on use: it loads torch
     from lit_speed.run.config_targets import check_optimizer_choice, check_targets
-    from lit_speed.run.run_checks import check_config  # imported on use: it loads torch
 
     def composed(chosen: list[str]) -> DictConfig:
         return compose(config_name=config_name, overrides=chosen + searchpath, return_hydra_config=True)

@@ -20,8 +20,8 @@ from lit_speed.memory.model_state import STRATEGIES, ZeroLayout
 from lit_speed.memory.planner import Plan, PlanRow, plan
 from lit_speed.precision.modes import AUTO, PLAN_CANDIDATES, TIMED_CANDIDATES
 from lit_speed.run.config_error import ConfigError
+from lit_speed.run.config_rules import configured_processes
 from lit_speed.run.config_targets import CONFIG_DIR
-from lit_speed.run.run_checks import configured_processes
 
 #: Micro-batches compared with the configured one when none are named.
 MICRO_BATCHES = (4, 8, 16, 32)

@@ -25,18 +25,15 @@ from omegaconf import DictConfig, OmegaConf
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, stop_signal_received, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.run.config_error import ConfigError, RunStopped
+from lit_speed.run.config_rules import check_config
 from lit_speed.run.config_targets import model_takes_optimizer
 from lit_speed.run.console import quiet_upstream_notices
 from lit_speed.run.fit_check import check_fits_memory
-from lit_speed.run.run_checks import (
-    check_activation_memory,
-    check_checkpoint_matches,
-    check_config,
-    check_tokens_fit_model,
-)
-from lit_speed.run.run_monitor import configured_monitor
-from lit_speed.run.run_plan_check import RunPlanCheck, largest_accumulation_factor
-from lit_speed.run.run_summary import RunSummary
+from lit_speed.run.model_checks import check_activation_memory, check_tokens_fit_model
+from lit_speed.run.monitor import configured_monitor
+from lit_speed.run.plan_check import RunPlanCheck, largest_accumulation_factor
+from lit_speed.run.resume_checks import check_checkpoint_matches
+from lit_speed.run.summary import RunSummary
 from lit_speed.run_contract import (
     AccumulationPlan,
     AccumulationReport,

@@ -17,7 +17,7 @@ from lit_speed.models.gpt import GPTModule
 from lit_speed.models.mlp import MLPClassifier
 from lit_speed.run.config_check import preflight
 from lit_speed.run.config_error import ConfigError
-from lit_speed.run.run_checks import check_activation_memory
+from lit_speed.run.model_checks import check_activation_memory
 from lit_speed.run.runner import build, train
 from lit_speed.run_contract import BatchConsumer, BatchSource
 from tests.helpers.repo import CONF, compose_config

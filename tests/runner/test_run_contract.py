@@ -25,7 +25,7 @@ from lit_speed.precision.guarded_precision import GuardedPrecision
 from lit_speed.precision.zero_guard import GuardedDeepSpeedPrecision
 from lit_speed.reporting.fixed_validation import FixedValidationClock
 from lit_speed.reporting.time_to_target import TimeToTarget
-from lit_speed.run.run_plan_check import largest_accumulation_factor
+from lit_speed.run.plan_check import largest_accumulation_factor
 from lit_speed.run.runner import _accumulation_factor, build, component_summaries, workload_extras
 from lit_speed.run_contract import (
     AccumulationReport,

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from lit_speed.checkpointing import BestAndLastCheckpoint
 from lit_speed.models.mlp import MLPClassifier
-from lit_speed.run.run_monitor import choose_monitor, configured_monitor, is_validation_metric, mode_of
+from lit_speed.run.monitor import choose_monitor, configured_monitor, is_validation_metric, mode_of
 from lit_speed.run.runner import train
 
 SHORT = ["trainer.max_epochs=2", "trainer.limit_train_batches=3", "trainer.limit_val_batches=1", "logger=none",

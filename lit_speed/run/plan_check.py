@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit_speed.run.config_error import ConfigError
-from lit_speed.run.run_monitor import choose_monitor
+from lit_speed.run.monitor import choose_monitor
 from lit_speed.run_contract import AccumulationReport, MonitorFollower
 
 

@@ -1,9 +1,11 @@
-"""Refuse a composed config that cannot train, before anything is built: each refusal names the setting and the fix.
+"""Refuse a composed config that cannot train, from the config alone: each refusal names the setting and the fix.
 
-:func:`check_config` reads only the config (cheap: it runs before the model, the data or the Trainer exist).
-:func:`check_tokens_fit_model` runs once the DataModule is built, before the model (and its weights) is.
-:func:`check_activation_memory` and :func:`check_checkpoint_matches` need the built model and run before
-``fit``; :class:`~lit_speed.run.run_plan_check.RunPlanCheck` checks what only the Trainer knows (batches per epoch).
+:func:`check_config` is cheap (it runs before the model, the data or the Trainer exist): the data/model pairing,
+the optimizer's and the Trainer's numbers, interpolations, precision x strategy, the resume path's shape. What needs
+the built objects is checked later: :mod:`lit_speed.run.model_checks` (the DataModule's tokens against the model,
+activation memory), :mod:`lit_speed.run.resume_checks` (the checkpoint against the model and optimizer),
+:mod:`lit_speed.run.fit_check` (the run's peak RSS), :class:`~lit_speed.run.plan_check.RunPlanCheck` (what only the
+Trainer knows: batches per epoch).
 """
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_speed.run.config_error import ConfigError
+from lit_speed.run.resume_checks import check_checkpoint_path
 
 
 def _short(target: Any) -> str:
@@ -234,178 +236,3 @@ def check_config(cfg: DictConfig, folders: Sequence[Path] = ()) -> None:
     check_optimizer(cfg)
     check_trainer(cfg)
     check_checkpoint_path(cfg.get("ckpt_path"))
-
-
-def is_deepspeed_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a folder DeepSpeed wrote (Lightning's ZeRO checkpoints): a ``latest`` tag file or a
-    ``checkpoint/`` folder of ``*model_states.pt`` files, not merely a folder holding some ``.pt`` file."""
-    return path.is_dir() and ((path / "latest").is_file() or (path / "checkpoint").is_dir()
-                              or any(path.glob("*model_states.pt")))
-
-
-def check_checkpoint_path(ckpt_path: Any) -> None:
-    """A folder is a checkpoint only when DeepSpeed wrote it (``latest``, a ``checkpoint`` folder, ``*model_states.pt``)."""
-    if ckpt_path is None or not isinstance(ckpt_path, str) or "://" in ckpt_path:
-        return
-    path = Path(ckpt_path)
-    if path.is_dir() and not is_deepspeed_checkpoint(path):
-        inside = sorted(p.name for p in path.glob("*.ckpt")) + sorted(p.name for p in path.glob("*.pt"))
-        found = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""
-        example = path / inside[0] if inside else path / "checkpoints" / "last.ckpt"
-        raise ConfigError(f"ckpt_path={ckpt_path}: is a folder, not a checkpoint{found}. Fix: pass a checkpoint file "
-                          f"(e.g. ckpt_path={example}), or ckpt_path=last")
-
-
-def _param_group_keys(optimizer_factory: Any) -> set[str] | None:
-    """The param-group keys ``optimizer_factory`` gives every group, or ``None`` when it cannot be probed.
-
-    The probe is a tiny ``Linear``'s parameters; an optimizer that needs parameter names (``wants_param_names``, e.g.
-    ``MuonAdamW``) gets them as the bundled models pass them (``lit_speed.models.configure_optimizers.param_groups``).
-    """
-    probe = torch.nn.Linear(4, 4, bias=True)
-    wants_names = bool(getattr(getattr(optimizer_factory, "func", optimizer_factory), "wants_param_names", False))
-    named = list(probe.named_parameters())
-    groups = [{"params": [p for _, p in named], "param_names": [f"probe.{n}" for n, _ in named]}] if wants_names \
-        else [p for _, p in named]
-    try:
-        optimizer = optimizer_factory(groups)
-    except Exception:  # noqa: BLE001 - a factory this probe cannot build: the check is skipped, never the run
-        return None
-    return set().union(*(set(g) for g in optimizer.param_groups)) - {"params", "param_names"}
-
-
-def check_checkpoint_matches(ckpt_path: Any, model: torch.nn.Module, optimizer_factory: Any = None) -> None:
-    """Refuse resuming a checkpoint written by another model or optimizer, naming what does not match.
-
-    DeepSpeed's sharded folders are left to DeepSpeed; only single-file Lightning checkpoints are read.
-    """
-    if ckpt_path is None or not Path(str(ckpt_path)).is_file():
-        return
-    checkpoint = torch.load(str(ckpt_path), map_location="cpu", weights_only=False, mmap=True)
-    saved = checkpoint.get("state_dict", {})
-    mine = model.state_dict()
-    if checkpoint.get("adapters_only"):  # PEFTAdapters: the trainable tensors only (it checks the frozen base)
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        if trainable == {n for n, _ in model.named_parameters()}:
-            raise ConfigError(f"ckpt_path={ckpt_path}: holds adapters only (written with peft=...), and this run trains "
-                              "every parameter. Fix: the peft=/peft.* and init= options of the run that wrote it")
-        mine = {k: v for k, v in mine.items() if k in trainable}
-    missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
-    reshaped = [k for k in set(mine) & set(saved) if tuple(mine[k].shape) != tuple(saved[k].shape)]
-    if missing or unexpected or reshaped:
-        what = (f"{len(missing)} of this model's tensors are missing (e.g. {missing[0]})" if missing else
-                f"it holds {len(unexpected)} tensors this model lacks (e.g. {unexpected[0]})" if unexpected else
-                f"{reshaped[0]} is {tuple(saved[reshaped[0]].shape)} there, {tuple(mine[reshaped[0]].shape)} here")
-        raise ConfigError(f"ckpt_path={ckpt_path}: written by another model ({what}); {type(model).__name__} "
-                          "cannot resume it. Fix: the model=/data=/model.* options of the run that wrote it, "
-                          "or ckpt_path=null")
-    states = checkpoint.get("optimizer_states") or []
-    if optimizer_factory is None or not states or not states[0].get("param_groups"):
-        return
-    keys = _param_group_keys(optimizer_factory)
-    if keys is None:
-        return
-    optional = {"initial_lr", "foreach", "fused", "differentiable", "capturable", "maximize", "decoupled_weight_decay"}
-    needed = keys - optional
-    saved_keys = set().union(*(set(g) for g in states[0]["param_groups"]))
-    fix = "Fix: the optimizer= of the run that wrote it, or ckpt_path=null to start fresh"
-    if needed - saved_keys:
-        raise ConfigError(f"ckpt_path={ckpt_path}: written with another optimizer (its state lacks "
-                          f"{', '.join(sorted(needed - saved_keys))}). {fix}")
-    # a key that marks whose state it is (the low-bit AdamWs' state_bits): another optimizer would misread the state
-    marks = {"state_bits"} & (saved_keys - keys)
-    if marks:
-        raise ConfigError(f"ckpt_path={ckpt_path}: written with another optimizer (its state carries "
-                          f"{', '.join(sorted(marks))}, which this optimizer does not keep). {fix}")
-
-
-def check_activation_memory(cfg: DictConfig, available_bytes: int | None = None,
-                            probe_lengths: tuple[int, int] = (128, 256)) -> None:
-    """Refuse a token model whose activations at ``data.block_size`` x ``data.batch_size`` exceed free memory.
-
-    Runs before the real model is built: a copy of the model config with a short context is probed by the
-    planner (forward+backward bytes at micro-batches 1 and 2, two lengths); the largest per-token cost is
-    scaled to the configured length (linear: attention's quadratic term is left out, so it errs towards running).
-    """
-    import hydra.utils
-
-    from lit_speed.memory.planner import probe
-
-    data, model_cfg = cfg.get("data"), cfg.get("model")
-    if not isinstance(data, DictConfig) or not isinstance(model_cfg, DictConfig) or "block_size" not in model_cfg:
-        return
-    block, batch = data.get("block_size"), data.get("batch_size")
-    if not isinstance(block, int) or not isinstance(batch, int) or block <= max(probe_lengths):
-        return
-    if available_bytes is None:
-        import psutil
-
-        available_bytes = psutil.virtual_memory().available
-    small = hydra.utils.instantiate(model_cfg, block_size=max(probe_lengths), optimizer=None, scheduler=None)
-    per_token = []
-    for length in probe_lengths:
-        tokens = torch.zeros(1, length, dtype=torch.long)
-        fit = probe(small, (tokens, tokens), micro_batches=(1, 2), repeats=1)
-        per_token.append(fit.bytes_fit[1] / length)
-    estimate = int(max(per_token) * batch * block)
-    if estimate > available_bytes:
-        raise ConfigError(f"data.block_size={block} x data.batch_size={batch}: activations need about "
-                          f"{estimate / 2**30:,.1f} GiB (planner estimate), {available_bytes / 2**30:,.1f} GiB is "
-                          "free. Fix: a smaller data.block_size or data.batch_size (see lit_speed.memory.planner)")
-
-
-def _with_path(source: str, where: str) -> str:
-    """``"a=1"`` -> ``"data.a=1"`` (``""`` stays ``""``)."""
-    return f"{where}.{source}" if source else ""
-
-
-def check_tokens_fit_model(datamodule: Any, model_cfg: DictConfig) -> None:
-    """Refuse token ids the model's embedding lacks and windows longer than its positions, before its weights load.
-
-    The DataModule says its vocabulary and window (:class:`~lit_speed.run_contract.TokenSource`, which loads and
-    checks its tokenizer now), the model's class its embedding rows and positions from its config alone
-    (:class:`~lit_speed.run_contract.TokenModel`: ``config.json`` for a Hugging Face folder). Either side that says
-    nothing is not checked.
-
-    Raises:
-        ConfigError: Naming both settings, both sizes and the fix.
-    """
-    from lit_speed.run.config_targets import import_target
-    from lit_speed.run_contract import TokenSource
-
-    target = model_cfg.get("_target_") if isinstance(model_cfg, DictConfig) else None
-    if not isinstance(datamodule, TokenSource) or not isinstance(target, str):
-        return
-    input_limits = getattr(import_target(target, "model"), "input_limits", None)  # a TokenModel's classmethod
-    if not callable(input_limits):
-        return
-    limits = input_limits(OmegaConf.to_container(model_cfg, resolve=True))
-    if limits is None:
-        return
-    data, model_source = datamodule.token_limits(), _with_path(limits.source, "model")
-    if data.vocab_size > limits.vocab_size:
-        data_source = _with_path(data.source, "data")
-        outside = (f"the embedding of {limits.name} has {limits.vocab_size:,} rows ({model_source}): ids "
-                   f"{limits.vocab_size:,} to {data.vocab_size - 1:,} would index outside it (an IndexError at the "
-                   "first batch)")
-        if data_source:  # a tokenizer the user chose: the model's own is the fix
-            raise ConfigError(f"{data_source}: its vocabulary has {data.vocab_size:,} token ids, {outside}. Fix: the "
-                              "tokenizer the model was trained with (data.tokenizer=<the model's own folder or hub "
-                              "id>), or a model whose vocabulary holds it")
-        raise ConfigError(f"{model_source}: the data's ids come from {data.name or 'its vocabulary'} "
-                          f"({data.vocab_size:,} ids), {outside}. Fix: {model_source.partition('=')[0]}="
-                          f"{data.vocab_size}")
-    if limits.positions is None or data.positions is None or data.positions <= limits.positions:
-        return
-    n, block = limits.positions, _with_path(data.positions_source or f"block_size={data.positions}", "data")
-    where = _with_path(limits.positions_source, "model") or model_source
-    if limits.kind == "learned":
-        raise ConfigError(f"{block}: longer than the {n} positions of {limits.name} ({where}): its position "
-                          f"embeddings are a learned table of {n} rows, so positions {n} and later do not exist (an "
-                          f"IndexError at the first batch). Fix: data.block_size={n} (or less)")
-    what = ("rotary positions run past it, at positions the model never saw in training, so quality drops"
-            if limits.kind == "rotary" else "past it the model runs at positions it was not built for")
-    config_json = Path(limits.source.partition("=")[2]) / "config.json"  # a local folder: its limit can be raised
-    raise_it = f"; to train past it on purpose, raise max_position_embeddings in {config_json}" * config_json.is_file()
-    raise ConfigError(f"{block}: longer than the {n} positions {limits.name} was made for (max_position_embeddings, "
-                      f"{where}): its {what}. Fix: data.block_size={n} (or less){raise_it}")
