@@ -8,42 +8,36 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import re
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import hydra
 import lightning.pytorch as pl
-import torch
-from hydra.errors import InstantiationException
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, stop_signal_received, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
-from lit_speed.run.config_error import ConfigError, RunStopped
+from lit_speed.run.config_error import RunStopped
 from lit_speed.run.config_rules import check_config
 from lit_speed.run.config_targets import model_takes_optimizer
 from lit_speed.run.console import quiet_upstream_notices
 from lit_speed.run.fit_check import check_fits_memory
 from lit_speed.run.model_checks import check_activation_memory, check_tokens_fit_model
 from lit_speed.run.monitor import configured_monitor
-from lit_speed.run.plan_check import RunPlanCheck, largest_accumulation_factor
+from lit_speed.run.plan_check import RunPlanCheck
+from lit_speed.run.refusals import config_paths, refusals_as_config_errors
 from lit_speed.run.resume_checks import check_checkpoint_matches
+from lit_speed.run.startup_table import startup_rows
 from lit_speed.run.summary import RunSummary
 from lit_speed.run_contract import (
-    AccumulationPlan,
-    AccumulationReport,
     EndOfRunReport,
     ModelPreparer,
     MonitoredModel,
     SummaryExtra,
     SummaryReport,
     WorkloadReport,
-    startup_rows_of,
 )
 from lit_speed.tables import print_table
 
@@ -134,98 +128,6 @@ def build(cfg: DictConfig) -> dict[str, Any]:
             "safety_net": safety_net, "phases": phases}
 
 
-def _accumulation_factor(trainer: pl.Trainer, callbacks: list[Any]) -> int:
-    for cb in callbacks:
-        if isinstance(cb, pl.callbacks.GradientAccumulationScheduler):
-            return cb.get_accumulate_grad_batches(0)
-        if isinstance(cb, AccumulationReport):
-            return cb.current_factor
-    return trainer.accumulate_grad_batches
-
-
-def effective_batch_row(micro: int | None, world: int, trainer: pl.Trainer, callbacks: list[Any]) -> tuple[str, int]:
-    """The effective batch at the start and where an accumulation schedule takes it; and the largest factor."""
-    plan = next((cb for cb in callbacks if isinstance(cb, AccumulationPlan)), None)
-    if plan is not None:
-        accum, largest, then = plan.accumulation_plan(micro, world)
-    else:
-        accum, then = _accumulation_factor(trainer, callbacks), ""
-        largest = largest_accumulation_factor(callbacks, trainer.accumulate_grad_batches)
-    if micro:
-        row = f"{micro} micro x {accum} accumulation x {world} process(es) = {micro * accum * world}"
-    else:
-        row = f"accumulation {accum}, world size {world}"
-    return row + (f" at the start; {then}" if then else ""), max(accum, largest)
-
-
-def validation_row(trainer: pl.Trainer, largest_factor: int) -> str:
-    """When validation runs, and what ``val_check_interval`` counts when gradients accumulate."""
-    if trainer.limit_val_batches == 0:
-        return "off (trainer.limit_val_batches=0)"
-    interval, every_n = trainer.val_check_interval, trainer.check_val_every_n_epoch
-    if not isinstance(interval, (int, float)) or isinstance(interval, bool):
-        return f"every {interval} of wall time (trainer.val_check_interval)"
-    epochs = "of each epoch" if every_n == 1 else f"of every {every_n}th epoch" if every_n else "counted across epochs"
-    if isinstance(interval, float):
-        end = "at the end of each epoch" if every_n == 1 else f"at the end of every {every_n}th epoch"
-        return end if interval == 1.0 else f"every {interval:g} of an epoch, {epochs}"
-    row = f"every {interval} training batches {epochs} (trainer.val_check_interval)"
-    if largest_factor > 1:
-        row += (f": training batches are micro-batches, so under x{largest_factor} accumulation that is every "
-                f"~{max(1, round(interval / largest_factor))} optimizer steps; to count optimizer steps: "
-                "'callbacks=[default,validate_every_n_steps]' callbacks.validate_every_n_steps.every_n_steps=<N> "
-                "trainer.val_check_interval=null")
-    return row
-
-
-def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
-    """One row per setting that changes speed or memory, with the derived effective batch."""
-    trainer, model, dm = parts["trainer"], parts["model"], parts["datamodule"]
-    micro = getattr(dm, "batch_size", None)
-    world = trainer.world_size
-    batch_row, largest_factor = effective_batch_row(micro, world, trainer, parts["callbacks"])
-    params = {id(p): p for p in model.parameters()}.values()  # tied weights once
-    n_params = sum(p.numel() for p in params)
-    n_trainable = sum(p.numel() for p in params if p.requires_grad)
-    precision = trainer.precision_plugin
-    rows = {
-        "precision": getattr(precision, "precision", str(trainer.precision)),
-        "strategy": f"{type(trainer.strategy).__name__} on {type(trainer.accelerator).__name__} "
-                    f"({trainer.num_devices} device(s) x {trainer.num_nodes} node(s))",
-        "effective batch": batch_row,
-        "model": f"{type(model).__name__}: {n_params:,} parameters" + (
-            f" ({n_trainable:,} trainable, {n_params - n_trainable:,} frozen)" if n_trainable != n_params else ""),
-        "optimizer": optimizer_row(parts["optimizer"]),
-        "threads": f"{torch.get_num_threads()} intra-op (torch)",
-        "monitor": f"{cfg.monitor} ({cfg.monitor_mode})" if cfg.monitor is not None else
-                   "none named: chosen at the first validation from the metrics it logs (a val loss first)",
-        "validation": validation_row(trainer, largest_factor),  # a cadence callback's own row replaces it
-    }
-    if parts["optimizer"] is None and cfg.get("optimizer") is not None:
-        rows["optimizer"] = "the model's own (its config's model.optimizer, or configure_optimizers): optimizer= unused"
-    for part in [dm, precision, *parts["callbacks"]]:
-        rows.update(startup_rows_of(part))
-    rows.update(startup_rows_of(trainer.strategy, model))  # a strategy sizes its memory estimate from the model
-    if parts.get("safety_net") is not None:
-        rows["fault tolerance"] = ("added: no FaultTolerance among the callbacks, so the runner saves last.ckpt on "
-                                   "SIGTERM/SIGUSR1 (exit 128+signal) and nothing else; callbacks=default checkpoints "
-                                   "at every validation")
-    return rows
-
-
-def optimizer_row(factory: Any) -> str:
-    """The optimizer a ``_partial_`` factory builds, with its LR and the kernel settings decided at run time."""
-    if factory is None:
-        return "the model's own (configure_optimizers)"
-    func = getattr(factory, "func", factory)
-    keywords = getattr(factory, "keywords", {}) or {}
-    shown = [f"{k}={keywords[k]}" for k in ("lr", "adamw_lr", "fused", "foreach", "ns_dtype", "adamw_kernel", "block_size")
-             if keywords.get(k) is not None]
-    auto = [k for k in ("ns_dtype", "adamw_kernel") if keywords.get(k) == "auto"]
-    note = f"; {' and '.join(auto)} timed on this machine before the first step" if auto else ""
-    return f"{getattr(func, '__name__', type(factory).__name__)}({', '.join(shown)}){note}"
-
-
 def component_summaries(parts: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{class name: final_summary()}`` of the precision plugin, the strategy, the callbacks and the optimizers
     that report one (e.g. the kernels an optimizer chose by timing)."""
@@ -242,75 +144,13 @@ def workload_extras(parts: dict[str, Any]) -> list[SummaryExtra]:
             for extra in part.summary_extras()]
 
 
-# a reusable class names itself and the argument it refuses: "AccumulationScheduler(micro_batch=0): ..."
-_CLASS_AND_ARGUMENT = re.compile(r"^(?P<cls>[A-Za-z_]\w*)(?:\((?P<arg>\w+)=(?P<value>.*?)\))?: ")
-
-
-def config_paths(cfg: DictConfig) -> dict[str, str]:
-    """``{class name: config path}`` of every ``_target_`` node in ``cfg`` (the first path wins)."""
-    paths: dict[str, str] = {}
-
-    def walk(node: Any, path: str) -> None:
-        if not isinstance(node, dict):
-            return
-        target = node.get("_target_")
-        if isinstance(target, str) and path:
-            paths.setdefault(target.rsplit(".", 1)[-1], path)
-        for key, child in node.items():
-            walk(child, f"{path}.{key}" if path else str(key))
-
-    walk(OmegaConf.to_container(cfg, resolve=False), "")
-    return paths
-
-
-def with_config_path(message: str, paths: dict[str, str]) -> str | None:
-    """``message`` prefixed with the config path of the class and argument it names, or None if it names none.
-
-    ``"AccumulationScheduler(micro_batch=0): ..."`` from the node at ``accumulation`` becomes
-    ``"accumulation.micro_batch=0: AccumulationScheduler(micro_batch=0): ..."``.
-    """
-    found = _CLASS_AND_ARGUMENT.match(message)
-    where = paths.get(found["cls"]) if found else None
-    if where is None:
-        return None
-    return f"{where}.{found['arg']}={found['value']}: {message}" if found["arg"] else f"{where}: {message}"
-
-
-def _config_error(error: BaseException, paths: dict[str, str]) -> ConfigError:
-    message = str(error)
-    return ConfigError(with_config_path(message, paths) or f"{type(error).__name__}: {message}")
-
-
-@contextmanager
-def _refusals_as_config_errors(before_training: Callable[[], bool], paths: dict[str, str]) -> Iterator[None]:
-    """Turn a component's refusal (ValueError, Lightning's MisconfigurationException, a missing file) into
-    :class:`ConfigError` with the component's own message, as long as no training batch has run.
-
-    The message starts with the config path of the setting it refuses (``paths``: see :func:`config_paths`)
-    when the component names its class and argument; Hydra's ``InstantiationException`` wrapper is removed.
-    """
-    try:
-        yield
-    except ConfigError:
-        raise
-    except InstantiationException as error:
-        cause = error
-        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
-            cause = cause.__cause__
-        raise _config_error(cause, paths) from error
-    except (ValueError, MisconfigurationException, FileNotFoundError) as error:
-        if not before_training():
-            raise
-        raise _config_error(error, paths) from error
-
-
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict."""
     t0 = time.perf_counter()
     before = {"startup": seconds_since_launch()}  # imports, Hydra's composition, the pre-flight
     quiet_upstream_notices()  # Lightning's litlogger tip, torch's deprecation of a name Lightning uses
     paths = config_paths(cfg)
-    with _refusals_as_config_errors(lambda: True, paths):
+    with refusals_as_config_errors(lambda: True, paths):
         check_config(cfg)  # the config alone: before anything is built
         check_activation_memory(cfg)  # probes a short-context copy of the model
         check_fits_memory(cfg)  # a Hugging Face model folder: the peak RSS predicted before its weights are read
@@ -326,7 +166,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     # a refusal raised while the Trainer sets up (strategy, precision, data, checkpoint) is a config error;
     # once a training batch has run, errors propagate unchanged, with their traceback
-    with _refusals_as_config_errors(lambda: parts["run_summary"].samples == 0, paths):
+    with refusals_as_config_errors(lambda: parts["run_summary"].samples == 0, paths):
         # ckpt_path=last -> the newest checkpoint that verifies (damaged ones are skipped with a warning)
         ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), trainer)
         check_checkpoint_matches(ckpt_path, model, parts["optimizer"])

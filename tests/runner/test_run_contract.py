@@ -26,7 +26,8 @@ from lit_speed.precision.zero_guard import GuardedDeepSpeedPrecision
 from lit_speed.reporting.fixed_validation import FixedValidationClock
 from lit_speed.reporting.time_to_target import TimeToTarget
 from lit_speed.run.plan_check import largest_accumulation_factor
-from lit_speed.run.runner import _accumulation_factor, build, component_summaries, workload_extras
+from lit_speed.run.runner import build, component_summaries, workload_extras
+from lit_speed.run.startup_table import _accumulation_factor
 from lit_speed.run_contract import (
     AccumulationReport,
     ModelPreparer,
@@ -121,7 +122,8 @@ def test_build_does_not_change_the_config_it_is_given(make_cfg):
 
 def test_runner_prefixes_a_component_refusal_with_its_config_path(make_cfg):
     from lit_speed.run.config_error import ConfigError
-    from lit_speed.run.runner import config_paths, train, with_config_path
+    from lit_speed.run.refusals import config_paths, with_config_path
+    from lit_speed.run.runner import train
 
     cfg = make_cfg(["accumulation=fixed", "accumulation.micro_batch=0", "logger=none"])
     assert config_paths(cfg)["AccumulationScheduler"] == "accumulation"
