@@ -581,3 +581,13 @@ def test_every_component_package_has_its_test_folder() -> None:
     missing = [f"lit_speed/{name}/ -> tests/{TEST_FOLDERS.get(name, name)}/" for name in packages
                if not list((tests / TEST_FOLDERS.get(name, name)).glob("test_*.py"))]
     assert not missing, f"packages without tests in their folder: {missing}"
+
+
+#: the longest a module may grow before it is split along its seams (issue 34)
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_is_longer_than_the_limit() -> None:
+    long = {str(p.relative_to(ROOT.parent)): n for p in sorted(ROOT.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them along their seams): {long}"

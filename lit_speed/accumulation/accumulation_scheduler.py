@@ -1,7 +1,7 @@
 """Gradient accumulation scheduled by optimizer step, epoch, samples or tokens, with token-correct normalisation."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -28,19 +28,19 @@ from lit_speed.accumulation.schedule import (
 from lit_speed.accumulation.window import (
     NORMALIZE,
     batch_samples,
-    count_items,
-    count_tokens,
+    optimizer_parameters,
+    partial_gradients,
+    restore_partial_gradients,
     scale_gradients,
-    split_batch,
     window_scale,
 )
+from lit_speed.accumulation.window_runs import WindowRuns
 from lit_speed.compat import lightning as pl_compat
 from lit_speed.interfaces import AccumulationFollower
-from lit_speed.oom import is_oom_error
 from lit_speed.step_logging import log_step_metrics
 
 
-class AccumulationScheduler(Callback):
+class AccumulationScheduler(WindowRuns, Callback):
     """Accumulate gradients over a number of micro-batches that follows a schedule, normalised per item.
 
     The factor is chosen at the start of every accumulation window from the position reached (optimizer
@@ -275,68 +275,6 @@ class AccumulationScheduler(Callback):
         self.zero_now = self._pos == 0
         self.step_now = self._pieces == 1 and (self._pos + 1 == self._factor or self._epoch_end)
 
-    def run_batch(self, run: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
-        """Run one dataloader batch as ``pieces`` micro-batches; on OOM, retry the window with smaller ones."""
-        batch = kwargs["batch"]
-        try:
-            return self._run_pieces(run, optimizer, batch_idx, kwargs, batch, self._epoch_end)
-        except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError
-            if not (self.oom_recovery and is_oom_error(error)):
-                raise
-            return self._retry_window(run, optimizer, batch_idx, kwargs, batch, self._epoch_end, error)
-
-    def _run_pieces(self, run: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any, batch: Any,
-                    epoch_end: bool) -> Any:
-        trainer = self._trainer
-        last_batch = self._pos + 1 == self._factor or epoch_end
-        output = None
-        for j, piece in enumerate(split_batch(batch, self._pieces)):
-            self.zero_now = self._pos == 0 and j == 0
-            self.step_now = last_batch and j == self._pieces - 1
-            items = count_items(piece, self.normalize, self.ignore_index)
-            # Lightning divides the loss by accumulate_grad_batches; undo it and weight by the item count.
-            # A window of one micro-batch on one process needs neither: weight and scale would cancel.
-            self._weight = 1.0 if self._one_micro_batch(trainer) else float(items * trainer.accumulate_grad_batches)
-            # counted before the run: the window's last run reaches on_before_optimizer_step
-            self._window[0] += items
-            self._window[1] += batch_samples(piece)
-            self._window[2] += count_tokens(piece, self.ignore_index)
-            kwargs["batch"] = piece
-            output = run(optimizer, batch_idx, kwargs)
-        kwargs["batch"] = batch
-        if self.oom_recovery:
-            self._window_batches.append(batch)
-        if self.step_now:
-            self._pos, self._window, self._window_batches = 0, [0, 0, 0], []
-        else:
-            self._pos += 1
-        return output
-
-    def _retry_window(self, run: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any, batch: Any,
-                      epoch_end: bool, error: BaseException) -> Any:
-        batches = self._window_batches + [batch]
-        while True:
-            micro = self._micro()
-            if micro is None or micro < 2:
-                raise RuntimeError(f"out of memory at micro-batch {micro}; nothing left to halve") from error
-            self._oom_count += 1
-            self._pieces *= 2
-            rank_zero_info(f"accumulation: out of memory at micro-batch {micro}; retrying the window with "
-                           f"micro-batch {self._micro()} x {self.current_factor}")
-            optimizer.zero_grad(set_to_none=True)  # discard the partial window
-            self._pos, self._window, self._window_batches = 0, [0, 0, 0], []
-            self._trainer.accumulate_grad_batches = self.current_factor
-            try:
-                output = None
-                for i, cached in enumerate(batches):
-                    last = epoch_end and i == len(batches) - 1
-                    output = self._run_pieces(run, optimizer, batch_idx, kwargs, cached, last)
-                return output
-            except RuntimeError as again:
-                if not is_oom_error(again):
-                    raise
-                error = again
-
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         weight = self._weight
@@ -404,30 +342,3 @@ class AccumulationScheduler(Callback):
         self._applied_lr_scale = state_dict.get("applied_lr_scale", 1.0)
         self._oom_count = state_dict.get("oom_count", 0)
         self._saved_grads = state_dict.get("partial_grads")
-
-
-def optimizer_parameters(optimizers: Iterable[Any]) -> list[torch.Tensor]:
-    """Every parameter the optimizers step, in their order: where the accumulated gradients live (the module's own
-    parameters, or the float32 masters of ``precision=bf16-master``)."""
-    return [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-
-
-def partial_gradients(optimizers: list[Any]) -> list[list[list[torch.Tensor | None]]]:
-    """The gradients accumulated so far, by optimizer, param group and position (as ``optimizer.state_dict()``
-    orders them), copied to the CPU: the part of a mid-window checkpoint that plain Lightning does not save."""
-    return [[[None if p.grad is None else p.grad.detach().cpu().clone() for p in group["params"]]
-             for group in opt.param_groups] for opt in optimizers]
-
-
-def restore_partial_gradients(saved: Any, optimizers: list[Any], module: torch.nn.Module) -> None:
-    """Put the gradients of :func:`partial_gradients` back (or, from older checkpoints, a ``{name: grad}`` dict)."""
-    if isinstance(saved, dict):
-        params = dict(module.named_parameters())
-        for name, grad in saved.items():
-            params[name].grad = grad.to(device=params[name].device, dtype=params[name].dtype)
-        return
-    for opt, groups in zip(optimizers, saved):
-        for group, grads in zip(opt.param_groups, groups):
-            for p, grad in zip(group["params"], grads):
-                p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
-

@@ -151,3 +151,30 @@ def window_scale(items_in_window: float, world_size: int) -> float:
         raise ValueError("an accumulation window held 0 items (all targets equal ignore_index?); "
                          "the normalised gradient is undefined - filter empty batches out of the data")
     return world_size / items_in_window
+
+
+def optimizer_parameters(optimizers: Iterable[Any]) -> list[torch.Tensor]:
+    """Every parameter the optimizers step, in their order: where the accumulated gradients live (the module's own
+    parameters, or the float32 masters of ``precision=bf16-master``)."""
+    return [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+
+
+def partial_gradients(optimizers: list[Any]) -> list[list[list[torch.Tensor | None]]]:
+    """The gradients accumulated so far, by optimizer, param group and position (as ``optimizer.state_dict()``
+    orders them), copied to the CPU: the part of a mid-window checkpoint that plain Lightning does not save."""
+    return [[[None if p.grad is None else p.grad.detach().cpu().clone() for p in group["params"]]
+             for group in opt.param_groups] for opt in optimizers]
+
+
+def restore_partial_gradients(saved: Any, optimizers: list[Any], module: torch.nn.Module) -> None:
+    """Put the gradients of :func:`partial_gradients` back (or, from older checkpoints, a ``{name: grad}`` dict)."""
+    if isinstance(saved, dict):
+        params = dict(module.named_parameters())
+        for name, grad in saved.items():
+            params[name].grad = grad.to(device=params[name].device, dtype=params[name].dtype)
+        return
+    for opt, groups in zip(optimizers, saved):
+        for group, grads in zip(opt.param_groups, groups):
+            for p, grad in zip(group["params"], grads):
+                p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
+
