@@ -268,6 +268,32 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
 
         plan(model, next(iter(dm.train_dataloader())), budget_bytes=64 * 2**20).rows[0].command
     """
+    _check_plan_arguments(strategies, precisions, optimizer_factory, micro_batches, probe_batches)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # a frozen base under adapters
+    measured = measure_optimizer(model, optimizer_factory or (lambda ps: torch.optim.AdamW(ps, foreach=True)))
+    ckpt_choices = (False, True) if checkpoint_modules else (False,)
+    probes = {(p, c): probe(model, batch, p, checkpoint_modules if c else (), probe_batches, step_fn)
+              for p in precisions for c in ckpt_choices}
+    rows = []
+    for (precision, ckpt), pr in probes.items():
+        for mb in micro_batches:
+            for strategy in strategies:
+                peak, host, act, speed = _predict(pr, measured, batch, precision, mb, strategy, world_size, n_params,
+                                                  n_frozen)
+                rows.append(PlanRow(precision, ckpt, mb, strategy, world_size, peak, host, act, speed,
+                                    fits=budget_bytes is None or peak <= budget_bytes,
+                                    overrides=_overrides(precision, ckpt, mb, strategy, world_size,
+                                                         [str(m) for m in checkpoint_modules], base_overrides,
+                                                         batch_key, callbacks)))
+    fastest = max(r.samples_per_sec for r in rows)
+    rows = [PlanRow(**{**r.__dict__, "relative_speed": r.samples_per_sec / fastest}) for r in rows]
+    rows.sort(key=lambda r: (not r.fits, -r.relative_speed, -r.micro_batch))
+    return Plan(rows, budget_bytes, _notes(model, n_params, n_frozen, probe_batches, measured))
+
+
+def _check_plan_arguments(strategies: Sequence[str], precisions: Sequence[str], optimizer_factory: Any,
+                          micro_batches: Sequence[int], probe_batches: tuple[int, int]) -> None:
     for name, values, allowed in (("strategies", strategies, STRATEGIES), ("precisions", precisions, TABLE)):
         bad = [v for v in values if v not in allowed]
         if bad or not values:
@@ -280,48 +306,36 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
     if len(probe_batches) != 2 or not 1 <= probe_batches[0] < probe_batches[1]:
         raise ValueError(f"probe_batches must be two increasing sizes >= 1, got {probe_batches}")
 
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # a frozen base under adapters
-    factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, foreach=True))
-    measured = measure_optimizer(model, factory)
-    step_temp = measured.step_bytes
-    ckpt_choices = (False, True) if checkpoint_modules else (False,)
-    probes = {(p, c): probe(model, batch, p, checkpoint_modules if c else (), probe_batches, step_fn)
-              for p in precisions for c in ckpt_choices}
-    rows = []
-    for (precision, ckpt), pr in probes.items():
-        for mb in micro_batches:
-            for strategy in strategies:
-                layout = STRATEGIES[strategy]
-                st = model_state_bytes(n_params, precision, layout=layout, world_size=world_size,
-                                       frozen_params=n_frozen, state_bytes=measured.state_bytes)
-                width = spec(precision).param_bytes
-                # the probe's activations include full gradients; ZeRO-2/3 keep only their partition
-                act = pr.activation_bytes(mb) - width * n_params + st.grads
-                temp = 0 if layout.offload_optimizer else \
-                    step_temp * width // 4 // (world_size if layout.stage else 1)
-                # Lightning zero-grads after training_step, so last step's gradients live through the forward
-                forward = pr.forward_bytes(mb) + st.grads
-                resident = st.device - st.grads  # parameters and optimizer state left on the device
-                peak = resident + max(forward, act, st.grads + temp) + tensor_bytes(resize_batch(batch, mb))
-                speed = pr.samples_per_sec(mb) * STRATEGY_SPEED[strategy]
-                speed *= world_size * (MULTI_PROCESS_EFFICIENCY if world_size > 1 else 1.0)
-                rows.append(PlanRow(precision, ckpt, mb, strategy, world_size, peak, st.host, act, speed,
-                                    fits=budget_bytes is None or peak <= budget_bytes,
-                                    overrides=_overrides(precision, ckpt, mb, strategy, world_size,
-                                                         [str(m) for m in checkpoint_modules], base_overrides,
-                                                         batch_key, callbacks)))
-    fastest = max(r.samples_per_sec for r in rows)
-    rows = [PlanRow(**{**r.__dict__, "relative_speed": r.samples_per_sec / fastest}) for r in rows]
-    rows.sort(key=lambda r: (not r.fits, -r.relative_speed, -r.micro_batch))
+
+def _predict(pr: Any, measured: Any, batch: Any, precision: str, mb: int, strategy: str, world_size: int,
+             n_params: int, n_frozen: int) -> tuple[int, int, int, float]:
+    """One row's peak device bytes, host bytes, activation bytes and samples/s, from a probe of its precision and
+    checkpointing and the strategy's state layout."""
+    layout = STRATEGIES[strategy]
+    st = model_state_bytes(n_params, precision, layout=layout, world_size=world_size, frozen_params=n_frozen,
+                           state_bytes=measured.state_bytes)
+    width = spec(precision).param_bytes
+    # the probe's activations include full gradients; ZeRO-2/3 keep only their partition
+    act = pr.activation_bytes(mb) - width * n_params + st.grads
+    temp = 0 if layout.offload_optimizer else measured.step_bytes * width // 4 // (world_size if layout.stage else 1)
+    # Lightning zero-grads after training_step, so last step's gradients live through the forward
+    forward = pr.forward_bytes(mb) + st.grads
+    resident = st.device - st.grads  # parameters and optimizer state left on the device
+    peak = resident + max(forward, act, st.grads + temp) + tensor_bytes(resize_batch(batch, mb))
+    speed = pr.samples_per_sec(mb) * STRATEGY_SPEED[strategy]
+    speed *= world_size * (MULTI_PROCESS_EFFICIENCY if world_size > 1 else 1.0)
+    return peak, st.host, act, speed
+
+
+def _notes(model: nn.Module, n_params: int, n_frozen: int, probe_batches: tuple[int, int], measured: Any) -> list[str]:
     counted = f"{n_params:,} trainable + {n_frozen:,} frozen parameters" if n_frozen else f"{n_params:,} parameters"
-    notes = [f"{counted}; probes at micro-batch {probe_batches[0]} and {probe_batches[1]} on "
-             f"{next(model.parameters()).device.type}",
+    device = next(model.parameters()).device.type
+    notes = [f"{counted}; probes at micro-batch {probe_batches[0]} and {probe_batches[1]} on {device}",
              "peak = most tensor bytes alive in one training step (like torch.cuda.max_memory_allocated)",
              "speed is measured for precision x checkpointing x micro-batch; ZeRO/multi-process factors are assumed",
              f"optimizer: {measured.name} keeps {measured.state_bytes(torch.float32):.2f} bytes of state per float32 "
              f"parameter ({measured.source})"]
-    if next(model.parameters()).device.type == "cpu":
+    if device == "cpu":
         notes.append("measured on CPU: activation bytes carry over to a GPU for the same dtypes, speeds do not "
                      "(re-run the planner there)")
-    return Plan(rows, budget_bytes, notes)
+    return notes
