@@ -146,3 +146,21 @@ def _plan_script():
 def test_plan_script_refuses_bad_arguments(capsys, argv, message):
     assert _plan_script().main(argv) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_strategy_layouts_are_the_options_in_conf_strategy(make_cfg) -> None:
+    """The calculator's and the planner's strategy tables name exactly ``conf/strategy/``'s options, each with the
+    stage and offloads its composed node sets (issue 34: lists that cannot go stale)."""
+    from lit_speed.memory.model_state import STRATEGIES, ZeroLayout
+    from lit_speed.memory.planner import STRATEGY_SPEED
+    from tests.helpers.repo import CONF
+
+    options = {p.stem for p in (CONF / "strategy").glob("*.yaml")}
+    assert set(STRATEGIES) == options == set(STRATEGY_SPEED)
+    for option in sorted(options):
+        node = make_cfg([f"strategy={option}"]).get("strategy")
+        if node is None or not str(node.get("_target_", "")).endswith("ZeroStrategy"):
+            assert STRATEGIES[option] == ZeroLayout(), option
+            continue
+        expected = ZeroLayout(node.stage, node.offload_optimizer, node.offload_parameters, deepspeed=True)
+        assert STRATEGIES[option] == expected, option
