@@ -13,7 +13,7 @@ Lightning's hooks, and the tests exercise every rule with given inputs (device, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -216,6 +216,21 @@ def allowed_modes(candidates: Sequence[str], strategy: Any) -> list[str]:
     return allowed
 
 
+#: strategies whose processes all-reduce gradients torch's way: a one-process mode (bf16-master) cannot run under
+#: them, nor on several processes of any strategy but DeepSpeed's (which keeps float32 masters itself)
+MULTI_PROCESS_STRATEGIES = ("DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "XLAStrategy")
+
+
+def refused_processes(mode: str, strategy_classes: Iterable[str], processes: int | None) -> bool:
+    """The one rule for a one-process mode: whether ``mode`` cannot run under a strategy of these class names
+    (its class hierarchy's) on ``processes`` processes (``None``: not known yet). Asked by ``GuardedPrecision`` at
+    set-up and by the runner's config check before any process starts."""
+    names = set(strategy_classes)
+    if mode not in TABLE or not spec(mode).one_process or "DeepSpeedStrategy" in names:
+        return False
+    return bool(names & set(MULTI_PROCESS_STRATEGIES)) or (processes is not None and processes > 1)
+
+
 def check_strategy(mode: str, strategy: Any) -> None:
     """Refuse strategies that scale the loss themselves or need a sharded scaler (never a double scaler).
 
@@ -232,7 +247,7 @@ def check_strategy(mode: str, strategy: Any) -> None:
             "precision over: DeepSpeed runs its own loss scaler, backward and step, so this plugin would "
             "double-scale or bypass it. Fix: lit_speed.ZeroStrategy(stage=1|2|3) (it configures "
             "DeepSpeed's bf16/fp16 from this plugin), or drop the plugin and pass Trainer(precision=...).")
-    if mode in TABLE and spec(mode).one_process and facts.is_a("DDPStrategy", "FSDPStrategy", "ModelParallelStrategy", "XLAStrategy"):
+    if refused_processes(mode, facts.names, None):
         raise ValueError(
             f"GuardedPrecision(mode='bf16-master'): mode='bf16-master' runs on one process for now: its gradient "
             f"hook moves each bf16 gradient into the float32 master before {type(strategy).__name__} could all-reduce "

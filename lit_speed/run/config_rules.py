@@ -203,18 +203,21 @@ def configured_processes(cfg: DictConfig) -> int | None:
 def check_precision_strategy(cfg: DictConfig) -> None:
     """Refuse, before any process starts, a precision mode the configured strategy cannot run (bf16-master on
     several processes); ``GuardedPrecision`` would refuse it too, but only in every started process."""
-    from lit_speed.precision.modes import TABLE
+    from lit_speed.precision.modes import TABLE, refused_processes
+    from lit_speed.run.config_targets import locate
 
     precision, strategy = cfg.get("precision"), cfg.get("strategy")
     mode = precision.get("mode") if isinstance(precision, DictConfig) else None
     if mode not in TABLE or not TABLE[mode].one_process:
-        return
+        return  # nothing to ask (and no strategy module to import)
     target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else ""
-    if target.endswith("ZeroStrategy"):
-        return  # DeepSpeed's bf16 keeps the float32 masters itself
+    try:
+        cls = locate(target) if target else None
+    except (ImportError, AttributeError):  # an unknown target is refused by the target check, with its own fix
+        return
+    classes = [c.__name__ for c in cls.__mro__] if isinstance(cls, type) else []
     world = configured_processes(cfg)
-    multi = any(name in target for name in ("DDP", "FSDP", "ModelParallel")) or (world is not None and world > 1)
-    if multi:
+    if refused_processes(str(mode), classes, world):
         name = target.rsplit(".", 1)[-1] or "the default strategy"
         raise ConfigError(f"precision={mode} with {name} on {world or 'several'} processes: {mode} runs on "
                           "one process for now (its gradient hook moves each bf16 gradient into the float32 master "

@@ -228,3 +228,15 @@ def test_the_mode_list_in_the_docstring_and_the_option_files_are_the_mode_table(
     doc = GuardedPrecision.__doc__.split("mode:", 1)[1].split("(", 1)[0]
     assert set(re.findall(r"``([\w-]+)``", doc)) == set(MODES)
     assert {p.stem for p in (CONF / "precision").glob("*.yaml")} == set(MODES)
+
+
+@pytest.mark.parametrize(("classes", "processes", "refused"), [
+    (["DDPStrategy", "ParallelStrategy"], None, True), (["SingleDeviceStrategy"], 1, False),
+    (["SingleDeviceStrategy"], 2, True), (["ZeroStrategy", "DeepSpeedStrategy", "DDPStrategy"], 4, False),
+    (["FSDPStrategy"], 1, True)])
+def test_one_rule_says_where_a_one_process_mode_cannot_run(classes, processes, refused) -> None:
+    """``modes.refused_processes``: the rule GuardedPrecision and the runner's config check both ask (issue 34)."""
+    from lit_speed.precision.modes import refused_processes
+
+    assert refused_processes("bf16-master", classes, processes) is refused
+    assert refused_processes("bf16-mixed", classes, processes) is False
