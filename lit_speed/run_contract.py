@@ -5,7 +5,7 @@ StartupReport)`` and the like, and an object that implements none of them is sim
 never import the runner, and the runner holds no code for a particular workload or component: a component that
 wants a row, a summary entry or an end-of-run number implements the matching protocol.
 
-Who reports what (checked by ``tests/runner/test_run_contract.py``):
+Who reports what (checked by ``tests/run/test_run_contract.py``):
 
 - :class:`StartupReport` (``describe()``): the datamodules, GuardedPrecision, ZeroStrategy and the callbacks.
 - :class:`SummaryReport` (``final_summary()``): GuardedPrecision (and its ZeRO form), ZeroStrategy and the

@@ -33,26 +33,26 @@ def pytest_configure(config: pytest.Config) -> None:
 #: behaviour a faster default-tier test covers too (the default run's fast_dev_run, the bad-input matrix's
 #: in-process cases, the HF fine-tune tests). Prefixes of node ids; `-m slow` runs them.
 SLOW_TIER = (
-    "tests/runner/test_train_entry.py::test_train_script_fast_dev_run[charlm_",
-    "tests/runner/test_train_entry.py::test_multirun_writes_one_summary_per_job",
-    "tests/runner/test_train_entry.py::test_component_value_error_is_reported_without_hydra_wrapper",
+    "tests/run/test_train_entry.py::test_train_script_fast_dev_run[charlm_",
+    "tests/run/test_train_entry.py::test_multirun_writes_one_summary_per_job",
+    "tests/run/test_train_entry.py::test_component_value_error_is_reported_without_hydra_wrapper",
     "tests/checkpointing/test_faults_resume.py::test_sigkill_at_a_random_step_then_resume_matches_the_uninterrupted_run",
     "tests/checkpointing/test_faults_signals.py::test_signal_saves_the_current_step_prints_how_to_resume_and_exits_"
     "nonzero[sigterm",
-    "tests/runner/test_own_model.py::test_foreign_model_trains_through_config_dir_with_precision_and_accumulation",
+    "tests/run/test_own_model.py::test_foreign_model_trains_through_config_dir_with_precision_and_accumulation",
     "tests/models/test_hf_causal_lm.py::test_summary_splits_launch_to_end_into_phases_that_add_up",
     "tests/finetune/test_plan_adapters.py::test_plan_script_applies_the_peft_option",
-    "tests/runner/test_memory_plan.py::test_plan_of_the_charlm_fast_preset_plans_its_own_run",
-    "tests/runner/test_memory_plan.py::test_plan_of_optimizer_muon_asks_muon_for_its_state",
-    "tests/runner/test_memory_plan.py::test_a_layout_no_option_plans_is_refused",
+    "tests/run/test_memory_plan.py::test_plan_of_the_charlm_fast_preset_plans_its_own_run",
+    "tests/run/test_memory_plan.py::test_plan_of_optimizer_muon_asks_muon_for_its_state",
+    "tests/run/test_memory_plan.py::test_a_layout_no_option_plans_is_refused",
     "tests/strategies/test_ds_accelerator.py::test_cpu_run_switches_deepspeed_from_the_cuda_accelerator_fixed_at_import",
     "tests/strategies/test_ds_accelerator.py::test_cuda_setup_switches_deepspeed_from_the_cpu_accelerator_fixed_at_"
     "import",
     "tests/memory/test_planner.py::test_a_rows_overrides_run_as_printed",
     "tests/checkpointing/test_faults_config.py::test_bad_config_is_refused_before_training_with_a_message_naming_the_"
     "setting[",
-    "tests/runner/test_startup_table.py::test_a_default_run_prints_no_tip_and_no_deprecation",
-    "tests/runner/test_bad_input.py::test_switching_a_presets_component_runs_or_stops_in_one_line[experiment=charlm_fast "
+    "tests/run/test_startup_table.py::test_a_default_run_prints_no_tip_and_no_deprecation",
+    "tests/run/test_bad_input.py::test_switching_a_presets_component_runs_or_stops_in_one_line[experiment=charlm_fast "
     "precision=bf16-mixed]",
     "tests/optim/test_kernel_choice.py::test_on_two_processes_rank_zero_decides_for_both",
     "tests/checkpointing/test_faults_unsafe_checkpoint.py::test_a_named_checkpoint_holding_a_payload_is_refused_in_one_"

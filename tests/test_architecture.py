@@ -569,17 +569,12 @@ def f(mode="32-true"):
     assert mode_literals(source, {"32-true", "bf16-mixed"}) == [2, 4]
 
 
-#: component packages whose tests live under another name (the README's developer map says so)
-TEST_FOLDERS = {"run": "runner"}
-
-
 def test_every_component_package_has_its_test_folder() -> None:
     """The README's map (``tests in tests/<component>/``) holds: a folder of tests per package, ``run/`` in
-    ``tests/runner/`` (issue 34)."""
+    ``tests/run/`` (issue 34)."""
     tests = ROOT.parent / "tests"
     packages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
-    missing = [f"lit_speed/{name}/ -> tests/{TEST_FOLDERS.get(name, name)}/" for name in packages
-               if not list((tests / TEST_FOLDERS.get(name, name)).glob("test_*.py"))]
+    missing = [f"lit_speed/{name}/ -> tests/{name}/" for name in packages if not list((tests / name).glob("test_*.py"))]
     assert not missing, f"packages without tests in their folder: {missing}"
 
 

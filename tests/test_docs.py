@@ -151,6 +151,6 @@ def test_the_readmes_group_table_names_every_option() -> None:
             assert named == _options(group), f"README's {group} row names {sorted(named)}; conf/{group}/ holds " \
                                              f"{sorted(_options(group))}"
             seen.add(group)
-    from tests.runner.test_config_groups import GROUPS
+    from tests.run.test_config_groups import GROUPS
 
     assert seen == set(GROUPS), f"groups missing from the README's table: {sorted(set(GROUPS) - seen)}"

@@ -1,4 +1,8 @@
-"""Fine-tune what you already have: start from weights, train adapters (``peft``), export the merged model."""
+"""Fine-tune what you already have: start from weights, train adapters (``peft``), export the merged model.
+
+The core: ``weights``, ``adapters``, ``frozen_base``, ``export`` (functions, no Trainer needed); the Lightning
+callbacks that call them: ``init_callback.InitWeights``, ``peft_callback.PEFTAdapters``.
+"""
 from lit_speed.finetune.adapters import add_adapters, module_names_matching, parameter_counts
 from lit_speed.finetune.export import export_merged, merge_adapters
 from lit_speed.finetune.frozen_base import (
@@ -8,8 +12,8 @@ from lit_speed.finetune.frozen_base import (
     set_base_compute,
     unwrap_frozen_base,
 )
-from lit_speed.finetune.init_weights import InitWeights
-from lit_speed.finetune.peft_adapters import PEFTAdapters
+from lit_speed.finetune.init_callback import InitWeights
+from lit_speed.finetune.peft_callback import PEFTAdapters
 from lit_speed.finetune.weights import load_weights, read_state_dict
 
 __all__ = ["InitWeights", "PEFTAdapters", "add_adapters", "choose_base_compute", "export_merged", "frozen_base_bytes",

@@ -1,6 +1,6 @@
 """Add parameter-efficient adapters to any ``nn.Module`` with Hugging Face ``peft``, and freeze the rest.
 
-The functional core of :class:`~lit_speed.finetune.peft_adapters.PEFTAdapters`; usable without Lightning::
+The functional core of :class:`~lit_speed.finetune.peft_callback.PEFTAdapters`; usable without Lightning::
 
     names = add_adapters(model, "lora", target_modules=["all-linear"], r=8, alpha=16)
 

@@ -1,6 +1,6 @@
 """Read a file or folder of weights safely and load it into a model, naming the first tensor that does not fit.
 
-The functional core of :class:`~lit_speed.finetune.init_weights.InitWeights`; usable without Lightning::
+The functional core of :class:`~lit_speed.finetune.init_callback.InitWeights`; usable without Lightning::
 
     report = load_weights(model, "logs/train/runs/x/checkpoints/last.ckpt", strict=True)
 

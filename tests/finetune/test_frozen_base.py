@@ -18,7 +18,7 @@ from lit_speed.finetune.frozen_base import (
     set_base_compute,
     unwrap_frozen_base,
 )
-from lit_speed.finetune.peft_adapters import PEFTAdapters
+from lit_speed.finetune.peft_callback import PEFTAdapters
 from lit_speed.memory.memory_tracker import LiveTensorTracker
 from lit_speed.models.gpt import GPTModule
 from lit_speed.run.config_error import ConfigError
@@ -202,7 +202,7 @@ def test_bad_settings_are_refused_naming_them(kwargs, message):
 
 SHORT = ["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "logger=none",
          "validate=false", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
-# the refusals of precision modes and ZeRO through the runner: tests/runner/test_bad_input.py (memory levers)
+# the refusals of precision modes and ZeRO through the runner: tests/run/test_bad_input.py (memory levers)
 
 
 def test_through_the_runner_a_resume_keeps_the_compute_choice_and_another_base_dtype_is_refused(make_cfg, tmp_path):

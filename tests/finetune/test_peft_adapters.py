@@ -10,7 +10,7 @@ from torch import nn
 
 from lit_speed.finetune.adapters import add_adapters, module_names_matching, parameter_counts
 from lit_speed.finetune.export import export_merged
-from lit_speed.finetune.peft_adapters import PEFTAdapters
+from lit_speed.finetune.peft_callback import PEFTAdapters
 from lit_speed.models.gpt import GPTModule
 from lit_speed.run.config_error import ConfigError
 from lit_speed.run.runner import train

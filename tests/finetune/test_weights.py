@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_model
 
-from lit_speed.finetune.init_weights import InitWeights
+from lit_speed.finetune.init_callback import InitWeights
 from lit_speed.finetune.weights import load_weights, read_state_dict
 from lit_speed.models.gpt import GPTModule
 from lit_speed.run.config_error import ConfigError

@@ -285,7 +285,7 @@ def test_a_bf16_folder_read_in_bf16_for_a_bf16_base_is_the_model_read_in_float32
     # loading; after PEFTAdapters every tensor must be what the float32 read then lowered gives, the fingerprint too
     from transformers import AutoModelForCausalLM
 
-    from lit_speed.finetune.peft_adapters import PEFTAdapters
+    from lit_speed.finetune.peft_callback import PEFTAdapters
 
     folder = save_tiny_causal_lm(tmp_path / "fp32", "qwen2", seed=3, tokenizer=False)
     AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")

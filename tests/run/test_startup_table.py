@@ -36,7 +36,7 @@ class ValidationSteps(Callback):
             ValidationSteps.seen.append(trainer.global_step)
 
 
-RECORD = ["+callbacks.record._target_=tests.runner.test_startup_table.ValidationSteps"]
+RECORD = ["+callbacks.record._target_=tests.run.test_startup_table.ValidationSteps"]
 
 
 @pytest.fixture(autouse=True)

@@ -74,7 +74,7 @@ def test_data_model_pair_builds_or_is_refused_naming_both_fixes(make_cfg, tmp_pa
 
 def test_a_pair_that_declares_nothing_is_not_checked(make_cfg):
     # a foreign class without batch_kind / accepted_batch_kinds: nothing to compare, the run decides
-    preflight(["data=charlm", "model._target_=tests.runner.test_bad_input.UndeclaredMLP"])
+    preflight(["data=charlm", "model._target_=tests.run.test_bad_input.UndeclaredMLP"])
 
 
 class UndeclaredMLP(MLPClassifier):
