@@ -60,11 +60,32 @@ SLOW_TIER = (
 )
 
 
+#: The slow tier's longest multi-process twins (2026-11-26, Z3, slow tier with --durations=0: 2.5-5 min each under
+#: load): ZeRO-2 copies of 2-process fault tests whose DDP copy CI runs, and whose ZeRO-2 path CI also runs through
+#: a shorter test (the resume matrix's strategy=zero2 rows, test_faults_resume's one-process zero2 row). The whole
+#: slow tier with them took 85 min on a loaded 2-core box, past CI's 90-minute budget; CI runs
+#: `-m "slow and not gpu and not extended"`, and `pytest -m extended` runs these (README, "Tests").
+EXTENDED = (
+    "tests/checkpointing/test_faults_resume.py::test_two_processes_killed_mid_epoch_resume_bitwise[zero2]",
+    "tests/checkpointing/test_faults_resume.py::test_sigkill_at_a_random_step_then_resume_matches_the_uninterrupted_"
+    "run[32true-zero2x2-",
+    "tests/checkpointing/test_faults_signals_multiprocess.py::test_sigterm_stops_every_process_after_the_same_batch_"
+    "and_resumes_bitwise[zero2-",
+    "tests/checkpointing/test_faults_signals_multiprocess.py::test_a_step_longer_than_the_deadline_saves_the_last_"
+    "completed_step_and_exits_143[zero2]",
+    "tests/checkpointing/test_faults_resume_metrics.py::test_two_processes_resumed_mid_epoch_log_the_epochs_train_acc_"
+    "like_the_uninterrupted_run[zero2]",
+)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith(SLOW_TIER):
             item.add_marker(pytest.mark.slow)
+        if item.nodeid.startswith(EXTENDED):
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.extended)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
