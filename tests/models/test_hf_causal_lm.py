@@ -211,7 +211,8 @@ def test_summary_splits_launch_to_end_into_phases_that_add_up(tmp_path, hf_folde
     assert all(split[k] > 0 for k in ("startup", "model_load", "model_prepare", "training", "sanity", "validation",
                                       "checkpoints", "export", "final_validation")), split
     assert abs(sum(split.values()) - summary["launch_to_end_s"]) < 0.02 * len(split)  # rounding of each phase
-    assert summary["launch_to_end_s"] <= outside  # the process's own clock, inside the wall time seen from outside
+    # the process's own clock, inside the wall time seen from outside (its start is known to a clock tick, 10 ms)
+    assert summary["launch_to_end_s"] <= outside + 0.01
     assert summary["steady_tokens_per_sec"] > 0 and summary["median_batch_s"] > 0
     assert "launch to end" in result.stdout
 

@@ -136,3 +136,18 @@ def test_runner_prefixes_a_component_refusal_with_its_config_path(make_cfg):
         "precision: GuardedPrecision: the scaler settings need"
     assert with_config_path("Lion(lr=-1): lr must be >= 0", paths) is None  # not built from this config
     assert with_config_path("val_fraction must be in (0, 1)", paths) is None
+
+
+def test_seconds_since_launch_counts_from_the_process_start_to_a_clock_tick() -> None:
+    """A child's own launch clock, read first thing, is inside the parent's wall time around it (psutil's
+    create_time, rounded to /proc/stat's whole-second boot time, put it ~0.5 s early on this machine)."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import time; from lit_speed.run.runner import seconds_since_launch as s; "
+            "print(s(), time.time())")
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    since_launch, now = float(out[0]), float(out[1])
+    assert 0.0 < since_launch <= now - start + 0.01  # the child's clock cannot have started before the parent's call
