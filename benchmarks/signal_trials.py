@@ -55,16 +55,17 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "HYDRA_FULL_ERROR": "0"}
 
 
-def launch(args: list[str], run: Path) -> tuple[subprocess.Popen, Any]:
-    log = open(run.with_suffix(".log"), "w")
+def launch(args: list[str], run: Path, suffix: str = ".log") -> tuple[subprocess.Popen, Any]:
+    run.parent.mkdir(parents=True, exist_ok=True)
+    log = open(run.with_suffix(suffix), "w")
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args, f"hydra.run.dir={run}"],
                             cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
     return proc, log
 
 
-def run_to_end(args: list[str], run: Path) -> dict[str, Any]:
+def run_to_end(args: list[str], run: Path, suffix: str = ".log") -> dict[str, Any]:
     start = time.monotonic()
-    proc, log = launch(args, run)
+    proc, log = launch(args, run, suffix)
     first_ckpt = None
     while proc.poll() is None:
         if first_ckpt is None and (run / "checkpoints" / "last.ckpt").exists():
@@ -125,7 +126,7 @@ def trial(args: list[str], reference: Path, run: Path, delay_s: float | None, sl
         f"+callbacks.slow.from_step={slow_from}"]
     out = stopped_run(args + extra, run, delay_s, slow_from is not None)
     if out.get("signalled"):
-        resumed = run_to_end(args + ["ckpt_path=last"], run)
+        resumed = run_to_end(args + ["ckpt_path=last"], run, ".resume.log")
         out["resume_rc"] = resumed["rc"]
         try:
             diffs = max_abs_differences(reference / "checkpoints" / "last.ckpt", run / "checkpoints" / "last.ckpt")

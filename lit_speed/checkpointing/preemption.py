@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -40,6 +41,27 @@ def last_checkpoint_path(trainer: "pl.Trainer") -> Path:
         if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
             return Path(cb.format_checkpoint_name({}, cb.CHECKPOINT_NAME_LAST))
     return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+
+
+def claim_last(trainer: "pl.Trainer", path: Path, checkpoint: dict[str, Any] | None = None) -> None:
+    """Record ``path`` as the ``last.ckpt`` that each ``ModelCheckpoint`` writing there wrote itself (in the callback
+    and, given ``checkpoint``, in the state saved with it).
+
+    A stop saves ``last.ckpt`` outside ``ModelCheckpoint``. Before its first own save, the callback's
+    ``last_model_path`` is empty, so a resumed run found a ``last.ckpt`` it did not know, wrote ``last-v1.ckpt`` from
+    then on and left ``last.ckpt`` at the stop's step (measured: SIGTERM at step 3 of 40, resumed to step 40, and
+    ``ckpt_path=last`` still named step 3).
+    """
+    for cb in trainer.checkpoint_callbacks:
+        if not isinstance(cb, ModelCheckpoint) or cb.dirpath is None:
+            continue
+        name = cb.format_checkpoint_name({}, cb.CHECKPOINT_NAME_LAST)
+        if Path(name) != Path(path):
+            continue
+        cb.last_model_path = name
+        states = (checkpoint or {}).get("callbacks") or {}
+        if isinstance(states.get(cb.state_key), dict):
+            states[cb.state_key] = {**states[cb.state_key], "last_model_path": name}
 
 
 def run_folder(trainer: "pl.Trainer") -> str:
@@ -72,6 +94,7 @@ def save_interrupted(trainer: "pl.Trainer", exception: BaseException, signum: in
         return None
     signum = signal.SIGTERM if signum is None else signum
     path = last_checkpoint_path(trainer)
+    claim_last(trainer, path)
     trainer.save_checkpoint(path)
     exception.code = 128 + int(signum)
     return (f"interrupted at step {trainer.global_step}; resume with {resume_hint(trainer, path)} hydra.run.dir="

@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_speed.checkpointing.preemption import last_checkpoint_path, resume_hint, run_folder
+from lit_speed.checkpointing.preemption import claim_last, last_checkpoint_path, resume_hint, run_folder
 from lit_speed.checkpointing.resume import checkpoint_folders, last_good_checkpoint
 from lit_speed.checkpointing.run_state import rank_part
 from lit_speed.checkpointing.signal_deadline import DeadlineWatchdog, PeerChannel
@@ -69,6 +69,7 @@ class LightningFileWriter:
 
     def commit(self, snapshot: Snapshot, parts: list[dict[str, Any]]) -> Path:
         checkpoint = with_rank_parts(dict(snapshot.checkpoint or {}), self.state_key, parts)
+        claim_last(self.trainer, self.path, checkpoint)
         self.trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, self.path)
         return self.path
 
@@ -94,6 +95,7 @@ class PartwiseFolderWriter:
         staging = self.staging(snapshot)
         client = {k: v for k, v in (snapshot.checkpoint or {}).items() if k not in ("state_dict", "optimizer_states")}
         client = with_rank_parts(client, self.state_key, parts)
+        claim_last(self.trainer, self.path, client)
         self.strategy.write_model_states(str(staging), snapshot.extra["module"], client)
         (staging / "latest").write_text(self.tag)
         previous = self.path.with_name(self.path.name + ".prev")

@@ -109,3 +109,40 @@ def test_a_signal_stops_after_that_batch_saves_it_and_exits_143(tmp_path, deadli
     assert stop.value.code == 128 + signal.SIGTERM
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 4
     assert INBOX.signum is None  # honoured: a later fit in this process starts clean
+
+
+@pytest.mark.parametrize("deadline", [None, 30.0])
+def test_a_run_resumed_from_a_stop_before_its_first_checkpoint_keeps_writing_last_ckpt(tmp_path, deadline):
+    """The stop at step 4 came before ModelCheckpoint's first own save: the resumed run went on in last-v1.ckpt and
+    left last.ckpt at step 4, so the next ``ckpt_path=last`` lost everything after it (found by signal_trials.py)."""
+    INBOX.clear()
+
+    def fit(ckpt_path, *callbacks):
+        pl.seed_everything(0)
+        model = MLPClassifier(hidden=16, depth=1, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=6, limit_val_batches=0,
+                             logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt",
+                                                                                   save_last=True),
+                                                                   FaultTolerance(signal_deadline_s=deadline),
+                                                                   *callbacks])
+        trainer.fit(model, datamodule=DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
+
+    with pytest.raises(SystemExit):
+        fit(None, _SignalAt(4))
+    fit(tmp_path / "ckpt" / "last.ckpt")
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 12
+    assert not list((tmp_path / "ckpt").glob("last-v*"))
+
+
+def test_a_deadline_save_records_the_last_checkpoint_as_the_callbacks_own(tmp_path):
+    from lit_speed.checkpointing.preemption import claim_last
+
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, callbacks=[callback], default_root_dir=tmp_path)
+    checkpoint = {"callbacks": {callback.state_key: callback.state_dict()}}
+    claim_last(trainer, tmp_path / "other.ckpt", checkpoint)
+    assert checkpoint["callbacks"][callback.state_key]["last_model_path"] == ""
+    claim_last(trainer, tmp_path / "last.ckpt", checkpoint)
+    assert checkpoint["callbacks"][callback.state_key]["last_model_path"] == str(tmp_path / "last.ckpt")
+    assert callback.last_model_path == str(tmp_path / "last.ckpt")
