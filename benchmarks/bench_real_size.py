@@ -11,7 +11,9 @@ process under ``/usr/bin/time -v`` (peak RSS of the process, wall, user/system s
 same windows in the same order, from the same adapter initialisation (``real_size_peers.py`` explains how; each row
 records the hash of its first batch and its loss at every step, compared in the result).
 
-Per row: launch to end (= exported model), the time split (start-up, model load, adapters, data, sanity/validation,
+Per row: peak RSS and where the memory goes (``memory_breakdown.py``: weights, gradients, optimizer state and the
+activations saved for backward, measured at the same points in every tool; the rest of the peak RSS is the process's
+own), launch to end (= exported model), the time split (start-up, model load, adapters, data, sanity/validation,
 training, checkpoints, export), steady tokens/s (steps after the first two), MFU (model FLOPs of the step against
 the measured matmul peak of the dtype in use on this machine: fp32, or bf16 where the row computes in bf16), peak
 RSS, and the ratios against the Trainer row of the same group, measured in the same run. Rows run one after the
@@ -165,12 +167,16 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
         summary = json.loads((out / "summary.json").read_text())
         steps = json.loads((out / "steps.json").read_text())
         row.update(step_s=steps["step_s"], loss=steps["loss"], first_batch_sha=steps["first_batch_sha"],
-                   phases=summary["time_split_s"], launch_to_end_s=summary["launch_to_end_s"],
+                   memory_breakdown=steps.get("memory_breakdown"), phases=summary["time_split_s"],
+                   launch_to_end_s=summary["launch_to_end_s"],
                    settings={"precision": summary["startup"].get("precision"), "startup": summary["startup"]})
     else:
         record = json.loads((out / "row.json").read_text())
         row.update(step_s=record["step_s"], loss=record["loss"], first_batch_sha=record["first_batch_sha"],
-                   phases=record["phases"], launch_to_end_s=record["launch_to_end_s"], settings=record["settings"])
+                   memory_breakdown=record.get("memory_breakdown"), phases=record["phases"],
+                   launch_to_end_s=record["launch_to_end_s"], settings=record["settings"])
+    if row.get("memory_breakdown") and row.get("peak_rss_bytes"):
+        row["memory_breakdown"]["process_rest"] = row["peak_rss_bytes"] - row["memory_breakdown"]["tensor_bytes"]
     tokens = args.micro * args.block
     timed = row["step_s"][WARMUP:] if len(row["step_s"]) > WARMUP else row["step_s"]
     row["steady_tokens_per_s"] = round(tokens * len(timed) / sum(timed), 2)
@@ -209,8 +215,15 @@ def picture(rows: list[dict[str, Any]], path: Path) -> None:
     ok = [r for r in rows if r.get("exit") == 0]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(ok) + 2))
     names = [r["name"] for r in ok]
-    axes[0].barh(names, [r["peak_rss_bytes"] / 2**30 for r in ok])
-    axes[0].set_xlabel("peak RSS (GiB)")
+    left = [0.0] * len(ok)
+    for part in ("weights", "gradients", "optimizer_state", "saved_activations", "process_rest"):
+        values = [max(0.0, (r.get("memory_breakdown") or {}).get(part, 0)) / 2**30 for r in ok]
+        axes[0].barh(names, values, left=left, label=part)
+        left = [a + b for a, b in zip(left, values)]
+    axes[0].scatter([r["peak_rss_bytes"] / 2**30 for r in ok], names, marker="|", color="black", s=200,
+                    label="peak RSS")
+    axes[0].set_xlabel("GiB: where the memory goes (tensors: each part's largest; the rest up to peak RSS)")
+    axes[0].legend(fontsize=7, loc="lower right")
     left = [0.0] * len(ok)
     phases = sorted({p for r in ok for p in r["phases"]})
     for phase in phases:
@@ -271,7 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     picture(rows, RESULTS / f"{name}.png")
     line = "; ".join(f"{k}: launch-to-end x{v['launch_to_end_x']}, tokens/s x{v['steady_tokens_per_s_x']}, peak RSS "
                      f"x{v['peak_rss_x']}" for k, v in ratios.items()) or "no ratios (a reference row is missing)"
-    line += "; " + ", ".join(f"{r['name']} {r.get('peak_rss_bytes', 0) / 2**30:.2f} GiB {r['wall_s']:.0f} s"
+    line += "; " + ", ".join(f"{r['name']} {r.get('peak_rss_bytes', 0) / 2**30:.2f} GiB"
+                             + (f" (tensors {r['memory_breakdown']['tensor_bytes'] / 2**30:.2f})"
+                                if r.get("memory_breakdown") else "") + f" {r['wall_s']:.0f} s"
                              + ("" if r.get("exit") == 0 else " FAILED") for r in rows)
     line += f"; load {load_before[0]:.1f} -> {load_after[0]:.1f}"
     write_result(name, results, line)

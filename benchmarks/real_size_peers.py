@@ -18,7 +18,8 @@ model; each window carries its next token (``block + 1`` tokens), so the model's
 lit_speed's rows train on.
 
 Each run writes one JSON (``--out``): seconds from launch to each phase (imports, model load, adapters, data,
-training steps, export), per-step seconds and losses, tokens per step, ``ru_maxrss``.
+training steps, export), per-step seconds and losses, tokens per step, ``ru_maxrss``, and where the step's memory
+goes (``memory_breakdown.py``: weights, gradients, optimizer state, activations saved for backward).
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from memory_breakdown import Breakdown  # noqa: E402
+
 LAUNCH = time.time()
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # all-linear, no head
@@ -153,14 +157,28 @@ def run_trainer(args: argparse.Namespace, record: dict[str, Any]) -> None:
         gradient_checkpointing=args.flags == "memory", seed=42, data_seed=42)
     record["settings"] = {"bf16": bf16, "optim": optim, "gradient_checkpointing": targs.gradient_checkpointing}
 
+    breakdown = Breakdown()
+
     class Ordered(Trainer):  # lit_speed's order, not a reshuffle
         def _get_train_sampler(self, *a, **k):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    trainer = Ordered(model=model, args=targs, train_dataset=Windows(), callbacks=[Steps()])
+        def compute_loss(self, model, *a, **k):  # the forward and the loss: what they save for backward
+            with breakdown.forward(model):
+                return super().compute_loss(model, *a, **k)
+
+    class Memory(TrainerCallback):
+        def on_pre_optimizer_step(self, targs, state, control, **kwargs):
+            breakdown.before_optimizer_step(trainer.model)
+
+        def on_optimizer_step(self, targs, state, control, **kwargs):
+            breakdown.after_optimizer_step(trainer.optimizer)
+
+    trainer = Ordered(model=model, args=targs, train_dataset=Windows(), callbacks=[Steps(), Memory()])
     start = time.perf_counter()
     trainer.train()
     record["phases"]["training"] = time.perf_counter() - start
+    record["memory_breakdown"] = breakdown.result()
     export(model, args, record)
 
 
@@ -174,21 +192,28 @@ def run_lightning(args: argparse.Namespace, record: dict[str, Any]) -> None:
     record["phases"]["data"] = time.perf_counter() - start
     record["first_batch_sha"] = sha(data[0])
 
+    breakdown = Breakdown()
+
     class Plain(pl.LightningModule):
         def __init__(self, hf):
             super().__init__()
             self.hf = hf
 
         def training_step(self, batch, batch_idx):
-            loss = self.hf(input_ids=batch, labels=batch).loss
+            with breakdown.forward(self.hf):
+                loss = self.hf(input_ids=batch, labels=batch).loss
             record["loss"].append(float(loss.detach()))
             return loss
 
         def on_train_batch_start(self, batch, batch_idx):
             self._t = time.perf_counter()
 
+        def on_before_optimizer_step(self, optimizer):
+            breakdown.before_optimizer_step(self.hf)
+
         def on_train_batch_end(self, outputs, batch, batch_idx):
             record["step_s"].append(time.perf_counter() - self._t)
+            breakdown.after_optimizer_step(self.trainer.optimizers[0])
 
         def configure_optimizers(self):
             return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=args.lr,
@@ -202,6 +227,7 @@ def run_lightning(args: argparse.Namespace, record: dict[str, Any]) -> None:
     start = time.perf_counter()
     trainer.fit(Plain(model), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     record["phases"]["training"] = time.perf_counter() - start
+    record["memory_breakdown"] = breakdown.result()
     export(model, args, record)
 
 

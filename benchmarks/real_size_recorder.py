@@ -1,8 +1,10 @@
 """A callback ``bench_real_size.py`` adds to lit_speed's rows (``+callbacks.bench._target_=real_size_recorder.
 StepRecorder``): the loss and seconds of every training batch and the SHA-256 of the first batch, as the peers
-(``real_size_peers.py``) record them, written as one JSON at the end of fit."""
+(``real_size_peers.py``) record them, and where the step's memory goes (``memory_breakdown.py``, measured at the
+same points as in the peers), written as one JSON at the end of fit."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -11,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from memory_breakdown import Breakdown
 from typing_extensions import override
 
 
@@ -25,6 +28,8 @@ class StepRecorder(Callback):
         self.out = out
         self.record: dict[str, Any] = {"step_s": [], "loss": [], "first_batch_sha": None}
         self._start = 0.0
+        self.breakdown = Breakdown()
+        self._forward = contextlib.ExitStack()
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
@@ -33,15 +38,27 @@ class StepRecorder(Callback):
             x = batch[0] if isinstance(batch, (list, tuple)) else batch
             self.record["first_batch_sha"] = hashlib.sha256(x.cpu().numpy().tobytes()).hexdigest()[:16]
         self._start = time.perf_counter()
+        self._forward.enter_context(self.breakdown.forward(pl_module))
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Any) -> None:
+        self._forward.close()
+
+    @override
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+        self.breakdown.before_optimizer_step(pl_module)
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.record["step_s"].append(time.perf_counter() - self._start)
+        self._forward.close()
+        self.breakdown.after_optimizer_step(trainer.optimizers[0])
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.record["loss"].append(float(loss.detach()) if loss is not None else None)
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.record["memory_breakdown"] = self.breakdown.result()
         if trainer.is_global_zero:
             Path(self.out).write_text(json.dumps(self.record, indent=1))

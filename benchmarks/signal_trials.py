@@ -8,8 +8,9 @@ For each strategy (``trainer.devices=2 strategy=<s>``, Lightning's own launcher,
 
 1. one uninterrupted run of ``--steps`` optimizer steps (the reference);
 2. ``--tries`` runs, each sent SIGTERM (to the main process only) at a time drawn uniformly from the reference's
-   training phase (from its first checkpoint to 90% of its wall time): the exit code must be 143, the seconds from
-   the signal to the exit are recorded (polled every 50 ms) and must be within the deadline;
+   training phase (from 80% of the time to its first checkpoint, at step 5, to 85% of its wall time; a run that
+   finished before its signal is drawn again, up to 3 times): the exit code must be 143, the seconds from the signal
+   to the exit are recorded (polled every 50 ms) and must be within the deadline;
 3. ``--slow-tries`` runs whose steps from a random step on take 10 minutes (tests/helpers/fault_scripts/
    slow_step.py), SIGTERMed 2 s into such a step: the deadline path (the last completed step is saved);
 4. each stopped run resumed with ``ckpt_path=last`` into its folder: its final ``last.ckpt`` must be bitwise equal
@@ -26,6 +27,7 @@ import csv
 import functools
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -229,11 +231,17 @@ def main() -> None:
         reference = folder / strategy / "reference"
         ref = run_to_end(args, reference)
         print(f"{strategy} reference: {ref}", flush=True)
-        start = ref["first_checkpoint_s"] or 0.3 * ref["wall_s"]
+        # from a little before the reference's first checkpoint (step 5: the first steps included) to 85% of its wall
+        start = 0.8 * (ref["first_checkpoint_s"] or 0.3 * ref["wall_s"])
         trials = []
         for i in range(opts.tries):
-            delay = rng.uniform(start, 0.9 * ref["wall_s"])
-            out = trial(args, reference, folder / strategy / f"try{i}", delay, None, opts.deadline)
+            for attempt in range(1, 4):  # a run that ended before its signal is not a signal trial: draw again
+                delay = rng.uniform(start, 0.85 * ref["wall_s"])
+                shutil.rmtree(folder / strategy / f"try{i}", ignore_errors=True)
+                out = trial(args, reference, folder / strategy / f"try{i}", delay, None, opts.deadline)
+                out["attempt"] = attempt
+                if out.get("signalled"):
+                    break
             print(f"{strategy} try {i}: {out}", flush=True)
             trials.append(out)
         for i in range(opts.slow_tries):
