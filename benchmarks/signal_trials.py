@@ -261,8 +261,10 @@ def main() -> None:
     for strategy in opts.strategies:
         r = results[strategy]
         times = [t for t in r["exit_after_s"] if t is not None]
+        csv_same = sum(bool(t.get("csv_equal")) for t in r["trials"])
         parts.append(f"{strategy}: {r['ok']}/{r['n']} ok (exit 143 within {opts.deadline:g} s, resume bitwise), "
-                     f"signal->exit {min(times):.1f}-{max(times):.1f} s" if times else f"{strategy}: no signal sent")
+                     f"signal->exit {min(times):.1f}-{max(times):.1f} s, metrics.csv equal {csv_same}/{r['n']}"
+                     if times else f"{strategy}: no signal sent")
     cost = results.get("snapshot_cost", {})
     cost_text = "; ".join(f"{k} snapshot {v['snapshot_ms']} ms/step = {100 * v['snapshot_share']:.1f}% of "
                           f"{v['step_ms_off']} ms (on/off x{v['ratio_on_off']})" for k, v in cost.items())

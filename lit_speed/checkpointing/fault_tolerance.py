@@ -53,7 +53,7 @@ from lit_speed.checkpointing.run_state import (
 )
 from lit_speed.checkpointing.signal_stop import SignalStop
 from lit_speed.checkpointing.stop_signals import INBOX, record_signal_if_unhandled
-from lit_speed.compat.lightning_loops import resume_finished_epoch_as_new_epoch
+from lit_speed.compat.lightning_loops import resume_finished_epoch_as_new_epoch, uncount_batch_if_validation_skipped
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class FaultTolerance(Callback):
         self._restored_rng: dict[str, Any] | None = None
         self._rng_before_fetch: dict[str, Any] | None = None  # before the newest (prefetched) batch was drawn
         self._restored_rng_before_fetch: dict[str, Any] | None = None
+        self._restored_after_batch_end = False  # the checkpoint was written after its batch's step was counted
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -162,6 +163,9 @@ class FaultTolerance(Callback):
             record_signal_if_unhandled(signal.SIGUSR1)
         if self._signals is not None:
             self._signals.on_train_start()
+        if self._restored_after_batch_end:
+            uncount_batch_if_validation_skipped(trainer)
+            self._restored_after_batch_end = False
         if self._pending_row is not None:  # after the restored rows, before this run logs anything
             write_log_row(*self._pending_row)
             self._pending_row = None
@@ -204,6 +208,8 @@ class FaultTolerance(Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         self._batch_step = trainer.global_step  # by batch end, global_step already counts this batch's step
+        if self._signals is not None:
+            self._signals.after_batch_end = False
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
@@ -305,6 +311,8 @@ class FaultTolerance(Callback):
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"nonfinite_losses": self.nonfinite_losses,
                                  "first_nonfinite_loss_step": self.first_nonfinite_loss_step}
+        if self._signals is not None and self._signals.after_batch_end:  # a stop's save, after the loggers' count
+            state["after_batch_end"] = True
         trainer = self._trainer
         # a snapshot for the signal deadline is read on rank 0 alone: no collective, no file I/O
         capturing = self._signals is not None and self._signals.capturing
@@ -335,6 +343,7 @@ class FaultTolerance(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.nonfinite_losses = state_dict.get("nonfinite_losses", 0)
         self.first_nonfinite_loss_step = state_dict.get("first_nonfinite_loss_step")
+        self._restored_after_batch_end = bool(state_dict.get("after_batch_end"))
         trainer = self._trainer
         world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         if trainer is not None:  # the rows the loggers held when this checkpoint was written come back

@@ -139,6 +139,7 @@ class SignalStop:
         self.capturing = False  # FaultTolerance.state_dict is being read for a snapshot (no collective, no I/O)
         self.signum: int | None = None
         self._snapshot_before_validation = False  # the last snapshot predates this batch's validation
+        self.after_batch_end = False  # after_batch has run for the current batch (its step is counted for loggers)
         loops.replace_sigterm_notifier(trainer, INBOX.handler)  # record only: no collective inside the handler
         loops.replace_stop_broadcast(trainer, lambda: None)  # the decision after each batch replaces it
         loops.call_after_each_batch(trainer, self.after_batch)
@@ -188,6 +189,7 @@ class SignalStop:
 
     def after_batch(self) -> None:
         """End of each training batch (after its validation and checkpoints), in every process in the same order."""
+        self.after_batch_end = True
         trainer, gate = self.trainer, self.gate
         if gate is not None:
             gate.hold()

@@ -63,6 +63,29 @@ def resume_finished_epoch_as_new_epoch(trainer: "pl.Trainer") -> None:
     fit_loop.reset = reset
 
 
+def uncount_batch_if_validation_skipped(trainer: "pl.Trainer") -> None:
+    """For a checkpoint written after ``_TrainingEpochLoop.on_advance_end`` (a stop after its batch): if the restart
+    skips that batch's validation, undo the step count Lightning adds again. Installed for the first batch only.
+
+    Lightning 2.6.6 restarted "on last" at a validation batch returns from ``advance`` without a batch (the
+    validation ran before the save) and its ``on_advance_end`` then adds 1 to ``_batches_that_stepped``: right for
+    its own saves (in ``on_validation_end``, before that count), one too many for a save after it, so every later
+    log row of the resumed run was one step late (measured: a 2-process run stopped at step 10 of 12 logged the
+    epoch's ``train/acc`` at step 12, the uninterrupted run at 11).
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    original = epoch_loop.advance
+
+    def advance(data_fetcher: Any) -> None:
+        epoch_loop.advance = original
+        ready = epoch_loop.batch_progress.total.ready
+        original(data_fetcher)
+        if epoch_loop._skip_next_val and epoch_loop.batch_progress.total.ready == ready:
+            epoch_loop._batches_that_stepped -= 1  # on_advance_end adds it back
+
+    epoch_loop.advance = advance
+
+
 # ---------------------------------------------------------------------------------------------- stop signals
 def replace_sigterm_notifier(trainer: "pl.Trainer", notifier: Callable[[int, Any], None]) -> None:
     """Make ``notifier(signum, frame)`` the first SIGTERM handler Lightning registers when fit starts, in place of

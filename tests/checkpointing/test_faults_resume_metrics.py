@@ -10,9 +10,12 @@ Three holes, each found with the weights bitwise equal or nearly so:
    accumulated state (``torchmetrics``, every process's own under DDP) was in no checkpoint.
 3. A checkpoint written in ``on_train_batch_end`` (``every_n_train_steps``) comes before that batch's log row, which
    the resumed run never writes.
+4. A stop (SIGTERM) after a batch that validated: the resumed run counted that batch again for the loggers, so every
+   later row was one step late (found by ``benchmarks/signal_trials.py``: 3 of 24 random stops, all at such a batch).
 """
 from __future__ import annotations
 
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +25,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lit_speed.checkpointing import FaultTolerance, ResumableCSVLogger  # noqa: E402
+from lit_speed.checkpointing.stop_signals import INBOX
 from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
 from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences, metrics_rows
@@ -77,6 +81,42 @@ def test_a_resume_from_an_epoch_end_checkpoint_with_max_steps_neither_retrains_a
         return ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_epochs=1, save_on_train_epoch_end=True)
 
     _run_and_resume(tmp_path, checkpoint, crash_at=10, max_steps=20, max_epochs=-1)
+
+
+class _SignalAt(Callback):
+    """Record a SIGTERM (as the handler does) at the end of a chosen optimizer step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", *args: object) -> None:
+        if trainer.global_step == self.step:
+            INBOX.note(signal.SIGTERM)
+
+
+def test_a_stop_after_a_batch_that_validated_resumes_logging_at_the_same_steps(tmp_path):
+    # 8 batches per epoch, validation every 4: SIGTERM at step 4 (that batch validated, then the stop saved)
+    INBOX.clear()
+
+    def fit(root: Path, *extra: Callback, resume: bool = False) -> None:
+        pl.seed_everything(3, workers=True)
+        model = MLPClassifier(hidden=32, depth=1, dropout=0.1, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=8, limit_val_batches=2,
+                             val_check_interval=4, log_every_n_steps=1, deterministic=True,
+                             logger=ResumableCSVLogger(root, name="csv", version=""), enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=root,
+                             callbacks=[FaultTolerance(), ModelCheckpoint(dirpath=root / "ckpt", save_last=True),
+                                        *extra])
+        trainer.fit(model, datamodule=DigitsDataModule(batch_size=32),
+                    ckpt_path=str(root / "ckpt" / "last.ckpt") if resume else None)
+
+    fit(tmp_path / "reference")
+    with pytest.raises(SystemExit):
+        fit(tmp_path / "run", _SignalAt(4))
+    fit(tmp_path / "run", resume=True)
+    reference, run = (metrics_rows(p / "csv" / "metrics.csv") for p in (tmp_path / "reference", tmp_path / "run"))
+    assert run == reference, f"{len(run)} vs {len(reference)} rows; first difference: " + str(
+        next(((a, b) for a, b in zip(run, reference) if a != b), "(one is a prefix of the other)"))
 
 
 # ---------------------------------------------------------------------------------------------- through train.py
