@@ -45,9 +45,10 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def since_launch() -> float:
-    import psutil
+    """Seconds since this process started, by lit_speed's clock (its rows report launch-to-end by the same one)."""
+    from lit_speed.reporting.fixed_validation import process_start_time
 
-    return time.time() - psutil.Process().create_time()
+    return time.time() - process_start_time()
 
 
 def native_bf16() -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, stop_signal_received, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
+from lit_speed.reporting.fixed_validation import process_start_time
 from lit_speed.run.config_error import RunStopped
 from lit_speed.run.config_rules import check_config
 from lit_speed.run.config_targets import model_takes_optimizer
@@ -206,21 +206,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 def seconds_since_launch() -> float:
-    """Seconds since this process started (the kernel's start time, so imports and Hydra count too).
-
-    On Linux: the boot clock minus the process's start tick (``/proc/self/stat``), good to a clock tick (10 ms).
-    psutil's ``create_time`` adds ``/proc/stat``'s boot time, a whole second, so it can be off by up to 1 s (it
-    put a launch 85 ms before the parent started the process); it is the fallback elsewhere.
-    """
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after the command name: field 3 (state) on
-        start = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, in ticks since boot
-        return max(time.clock_gettime(time.CLOCK_BOOTTIME) - start, 0.0)
-    except (OSError, ValueError, IndexError, AttributeError):
-        import psutil
-
-        return max(time.time() - psutil.Process().create_time(), 0.0)
+    """Seconds since this process started (the kernel's start time, so imports and Hydra count too; see
+    :func:`lit_speed.reporting.fixed_validation.process_start_time`)."""
+    return max(time.time() - process_start_time(), 0.0)
 
 
 def _write_stopped_summary(cfg: DictConfig, parts: dict[str, Any], rows: dict[str, str], error: BaseException,
