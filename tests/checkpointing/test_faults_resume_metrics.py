@@ -15,7 +15,6 @@ Three holes, each found with the weights bitwise equal or nearly so:
 """
 from __future__ import annotations
 
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from lit_speed.checkpointing.stop_signals import INBOX
 from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
 from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences, metrics_rows
+from tests.helpers.fault_scripts.kill_at_step import NoteSignalAt
 from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, kill_at, train
 
 
@@ -83,17 +83,6 @@ def test_a_resume_from_an_epoch_end_checkpoint_with_max_steps_neither_retrains_a
     _run_and_resume(tmp_path, checkpoint, crash_at=10, max_steps=20, max_epochs=-1)
 
 
-class _SignalAt(Callback):
-    """Record a SIGTERM (as the handler does) at the end of a chosen optimizer step."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: "pl.Trainer", *args: object) -> None:
-        if trainer.global_step == self.step:
-            INBOX.note(signal.SIGTERM)
-
-
 def test_a_stop_after_a_batch_that_validated_resumes_logging_at_the_same_steps(tmp_path):
     # 8 batches per epoch, validation every 4: SIGTERM at step 4 (that batch validated, then the stop saved)
     INBOX.clear()
@@ -112,7 +101,7 @@ def test_a_stop_after_a_batch_that_validated_resumes_logging_at_the_same_steps(t
 
     fit(tmp_path / "reference")
     with pytest.raises(SystemExit):
-        fit(tmp_path / "run", _SignalAt(4))
+        fit(tmp_path / "run", NoteSignalAt(4))
     fit(tmp_path / "run", resume=True)
     reference, run = (metrics_rows(p / "csv" / "metrics.csv") for p in (tmp_path / "reference", tmp_path / "run"))
     assert run == reference, f"{len(run)} vs {len(reference)} rows; first difference: " + str(

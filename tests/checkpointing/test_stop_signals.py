@@ -9,7 +9,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_speed.checkpointing import FaultTolerance
 from lit_speed.checkpointing.stop_signals import (
@@ -22,6 +22,7 @@ from lit_speed.checkpointing.stop_signals import (
 )
 from lit_speed.data.digits import DigitsDataModule
 from lit_speed.models.mlp import MLPClassifier
+from tests.helpers.fault_scripts.kill_at_step import NoteSignalAt
 
 
 def test_the_inbox_keeps_the_first_signal_and_its_time():
@@ -84,17 +85,6 @@ def test_a_bad_deadline_is_refused_naming_the_setting_and_a_fix(bad):
         FaultTolerance(signal_deadline_s=bad)
 
 
-class _SignalAt(Callback):
-    """Record a SIGTERM (as the handler does) at the end of a chosen optimizer step."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: "pl.Trainer", *args: object) -> None:
-        if trainer.global_step == self.step:
-            INBOX.note(signal.SIGTERM)
-
-
 @pytest.mark.parametrize("deadline", [None, 30.0])
 def test_a_signal_stops_after_that_batch_saves_it_and_exits_143(tmp_path, deadline):
     INBOX.clear()
@@ -103,7 +93,7 @@ def test_a_signal_stops_after_that_batch_saves_it_and_exits_143(tmp_path, deadli
     trainer = pl.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=6, limit_val_batches=0, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
                          callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True),
-                                    FaultTolerance(signal_deadline_s=deadline), _SignalAt(4)])
+                                    FaultTolerance(signal_deadline_s=deadline), NoteSignalAt(4)])
     with pytest.raises(SystemExit) as stop:
         trainer.fit(model, datamodule=DigitsDataModule(batch_size=32))
     assert stop.value.code == 128 + signal.SIGTERM
@@ -129,7 +119,7 @@ def test_a_run_resumed_from_a_stop_before_its_first_checkpoint_keeps_writing_las
         trainer.fit(model, datamodule=DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
 
     with pytest.raises(SystemExit):
-        fit(None, _SignalAt(4))
+        fit(None, NoteSignalAt(4))
     fit(tmp_path / "ckpt" / "last.ckpt")
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 12
     assert not list((tmp_path / "ckpt").glob("last-v*"))

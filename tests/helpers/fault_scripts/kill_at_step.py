@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 import lit_speed.checkpointing.atomic_checkpoint_io as atomic_io
+from lit_speed.checkpointing.stop_signals import INBOX
 
 
 def _truncate_and_kill_in_last_optim_save(save: Any) -> Any:
@@ -110,3 +111,16 @@ class KillAtStep(Callback):
             torch.save = _truncate_and_kill_in_last_optim_save(torch.save)
             return
         atomic_io.os = _KillBeforeRename()
+
+
+class NoteSignalAt(Callback):
+    """In-process stand-in for a signal: record a SIGTERM in the inbox, as the handler does, at the end of a chosen
+    optimizer step (no real signal reaches the test process)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
+        if trainer.global_step == self.step:
+            INBOX.note(signal.SIGTERM)
