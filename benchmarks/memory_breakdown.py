@@ -78,6 +78,8 @@ class Breakdown:
         self._keep("gradients", distinct_bytes(p.grad for p in model.parameters() if p.grad is not None))
 
     def after_optimizer_step(self, optimizer: Any) -> None:
+        from lit_speed.compat.lightning import wrapped_optimizer
+
         tensors = []
         seen = set()
         while optimizer is not None and id(optimizer) not in seen:  # wrappers (Lightning's, accelerate's) included
@@ -85,7 +87,7 @@ class Breakdown:
             for state in getattr(optimizer, "state", {}).values():
                 if isinstance(state, dict):
                     tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-            optimizer = getattr(optimizer, "optimizer", None)
+            optimizer = wrapped_optimizer(optimizer)
         self._keep("optimizer_state", distinct_bytes(tensors))
 
     def result(self) -> dict[str, int]:
