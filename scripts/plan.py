@@ -54,12 +54,14 @@ def plan_hf_run(cfg, budget: int | None) -> int:
     configured = configured_levers(cfg)
     table = Table(title=f"predicted peak RSS (budget {gib(budget)}: --budget-mib or this machine's free memory)",
                   title_justify="left")
-    for name in ("#", "levers", "weights GiB", "optimizer GiB", "step GiB", "load GiB", "peak RSS GiB", "fits"):
+    for name in ("#", "levers", "weights GiB", "optimizer GiB", "step GiB", "load GiB", "export GiB", "peak RSS GiB",
+                 "fits"):
         table.add_column(name, justify="left" if name == "levers" else "right", no_wrap=name == "levers")
     first_fit = None
     commands = []
+    cache: dict = {}  # one probe per kind of row: rows that differ in micro-batch only share it
     for i, levers in enumerate(lever_sets(configured, not configured.lora)):
-        estimate = estimate_run(cfg, levers, process)
+        estimate = estimate_run(cfg, levers, process, cache=cache)
         fix = " ".join(levers.overrides(configured, list(_callback_nodes(cfg)))) or "(as configured)"
         added = [short for name, short in (("chunked_loss", "chunk"), ("base_bf16", "bf16"), ("low_bit_states", "8bit"),
                                            ("checkpointing", "ckpt"), ("lora", "lora"))
@@ -71,7 +73,7 @@ def plan_hf_run(cfg, budget: int | None) -> int:
         table.add_row(f"{i}{'*' if i == 0 else ''}", "+".join(added) or "-",
                       *(f"{b / 2**30:.2f}" for b in (estimate.weights, estimate.optimizer,
                                                      max(estimate.step, estimate.optimizer_step), estimate.load,
-                                                     estimate.peak)), "yes" if fits else "no")
+                                                     estimate.export, estimate.peak)), "yes" if fits else "no")
         commands.append(f"#{i}: {fix}")
     Console(soft_wrap=True).print(table)
     for line in commands:  # plain print: brackets must not be read as rich markup

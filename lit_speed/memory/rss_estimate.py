@@ -146,6 +146,7 @@ class RSSEstimate:
     optimizer_step: int  # gradients + the temporaries of one optimizer step (at the step, activations are gone)
     load: int            # the model while it is read from disk (read pages + converted tensors)
     slack: float = ALLOCATOR_SLACK
+    export: int = 0      # after fit: the float32 tensors of the merged export alive at once (0 without one)
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -154,18 +155,23 @@ class RSSEstimate:
         return int(self.process + tensors * self.slack)
 
     @property
+    def export_peak(self) -> int:
+        """While the merged model is written: the weights and optimizer state still held, plus the export's own."""
+        return int(self.process + (self.weights + self.optimizer + self.export) * self.slack) if self.export else 0
+
+    @property
     def peak(self) -> int:
-        return max(self.training_peak, int(self.process + self.load))
+        return max(self.training_peak, int(self.process + self.load), self.export_peak)
 
     def parts(self) -> dict[str, int]:
         return {"process": self.process, "weights": self.weights, "optimizer": self.optimizer, "step": self.step,
-                "optimizer_step": self.optimizer_step, "load": self.load, "peak": self.peak}
+                "optimizer_step": self.optimizer_step, "load": self.load, "export": self.export, "peak": self.peak}
 
 
 def predict_peak_rss(*, process: int, frozen_params: int, frozen_bytes: float, trainable_params: int,
                      trainable_bytes: float, state_bytes_per_param: float, step_temp_per_param: float,
                      probe: ScaledProbe, layers: int, vocab: int, tokens: int, load_bytes: int,
-                     notes: Sequence[str] = ()) -> RSSEstimate:
+                     export_bytes: int = 0, notes: Sequence[str] = ()) -> RSSEstimate:
     """Add up the parts (see the module docstring).
 
     Args:
@@ -177,6 +183,7 @@ def predict_peak_rss(*, process: int, frozen_params: int, frozen_bytes: float, t
         probe: The scaled probe of one step of this architecture, prepared as the run prepares it.
         layers, vocab, tokens: The real model's layers, vocabulary and tokens per micro-batch.
         load_bytes: Peak bytes while the weights are read (see :func:`load_peak_bytes`).
+        export_bytes: Bytes the merged export holds at once after fit, on top of the weights (0: no export).
     """
     weights = int(frozen_params * frozen_bytes + trainable_params * trainable_bytes)
     optimizer = int(trainable_params * state_bytes_per_param)
@@ -184,7 +191,7 @@ def predict_peak_rss(*, process: int, frozen_params: int, frozen_bytes: float, t
     return RSSEstimate(process=int(process), weights=weights, optimizer=optimizer,
                        step=probe.step_bytes(layers, vocab, tokens),
                        optimizer_step=int(grads + trainable_params * step_temp_per_param), load=int(load_bytes),
-                       notes=tuple(notes))
+                       export=int(export_bytes), notes=tuple(notes))
 
 
 def load_peak_bytes(file_bytes: int, params: int, load_dtype_bytes: int, file_dtype_bytes: int) -> int:

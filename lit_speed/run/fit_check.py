@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from lit_speed.run.config_error import ConfigError
@@ -101,9 +101,10 @@ def configured_levers(cfg: DictConfig) -> Levers:
 def _adapter_args(cfg: DictConfig, lora: bool) -> dict[str, Any] | None:
     peft = cfg.get("peft")
     if _target(peft).endswith("PEFTAdapters"):
-        node = OmegaConf.to_container(peft, resolve=True)
-        return {k: node[k] for k in ("method", "target_modules", "r", "alpha", "dropout", "trainable_modules",
-                                     "options") if k in node}
+        # only the adapter's own keys: others (export_dir) may point at ${hydra:...}, unset outside a Hydra run
+        keys = ("method", "target_modules", "r", "alpha", "dropout", "trainable_modules", "options")
+        return {k: OmegaConf.to_container(peft[k], resolve=True) if isinstance(peft[k], (DictConfig, ListConfig))
+                else peft[k] for k in keys if k in peft}
     return {"method": "lora", "target_modules": ["all-linear"], "r": 8, "alpha": 16.0} if lora else None
 
 
@@ -143,6 +144,7 @@ class RunFacts:
     file_dtype_bytes: int
     precision: str
     optimizer: Callable[..., torch.optim.Optimizer] | None
+    largest: int = 0     # elements of the largest parameter (the export writes it whole)
 
 
 def _small(config: Any, layers: int, vocab: int) -> Any:
@@ -165,7 +167,9 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config)
-    frozen, trainable = count_parameters(_prepare(hf, _adapter_args(cfg, levers.lora), levers))
+    prepared = _prepare(hf, _adapter_args(cfg, levers.lora), levers)
+    frozen, trainable = count_parameters(prepared)
+    largest = max((p.numel() for p in prepared.parameters()), default=0)
     files = glob.glob(str(folder / "*.safetensors")) + glob.glob(str(folder / "*.bin"))
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if cfg.get("optimizer") else None
@@ -177,7 +181,8 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
         precision = BASELINE
     return RunFacts(config, int(text.num_hidden_layers), int(text.vocab_size),
                     int(cfg.data.batch_size) * int(cfg.data.block_size), int(cfg.data.block_size), frozen, trainable,
-                    sum(os.path.getsize(f) for f in files), 2 if "16" in dtype else 4, str(precision), optimizer)
+                    sum(os.path.getsize(f) for f in files), 2 if "16" in dtype else 4, str(precision), optimizer,
+                    largest)
 
 
 #: The probe's longest window: one sequence of the run's block, at most this long (its cost grows with it).
@@ -226,30 +231,25 @@ def _state_bytes(facts: RunFacts, levers: Levers, trainable: list[nn.Parameter])
     return 8.0 if declared is None else float(declared)
 
 
-def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: int | None = None,
-                 facts: RunFacts | None = None) -> Any:
-    """The predicted peak RSS (:class:`~lit_speed.memory.rss_estimate.RSSEstimate`) of ``cfg`` with ``levers``
-    (default: the configured ones), or None when the run is not a local Hugging Face model folder."""
-    import psutil
+def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers) -> tuple[Any, float, float]:
+    """The scaled probe of one step with ``levers``, the optimizer step's temporaries per trainable parameter and
+    the optimizer's state bytes per trainable parameter."""
     from transformers import AutoModelForCausalLM
 
     from lit_speed.memory.planner import measure_optimizer
-    from lit_speed.memory.rss_estimate import count_parameters, load_peak_bytes, predict_peak_rss, probe_scaled
+    from lit_speed.memory.rss_estimate import count_parameters, probe_scaled
     from lit_speed.precision.modes import spec
 
-    folder = hf_folder(cfg)
-    if folder is None:
-        return None
-    configured = configured_levers(cfg)
-    levers = levers or configured
-    facts = facts if facts is not None else run_facts(cfg, folder, levers)  # given: read for these levers already
-    process = process_bytes if process_bytes is not None else psutil.Process().memory_info().rss
     adapters = _adapter_args(cfg, levers.lora)
     models: dict[tuple[int, int], nn.Module] = {}
 
     def build(layers: int, vocab: int) -> nn.Module:
+        with _blank_weights():
+            small = AutoModelForCausalLM.from_config(_small(facts.config, layers, vocab), dtype=torch.float32)
+        with torch.no_grad():  # a constant: the probe measures bytes, and finite values keep every kernel's path
+            for parameter in small.parameters():
+                parameter.fill_(0.02)
         torch.manual_seed(0)
-        small = AutoModelForCausalLM.from_config(_small(facts.config, layers, vocab), dtype=torch.float32)
         prepared = _prepare(small, adapters, levers)
         if layers == 1:  # kept for the optimizer's measurement; the 2-layer copy is freed after its probe
             models[(layers, vocab)] = prepared
@@ -267,12 +267,67 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
     if facts.optimizer is not None and not levers.low_bit_states and small_trainable:
         measured = measure_optimizer(small, facts.optimizer)
         step_temp = measured.step_bytes / small_trainable
+    return probe, step_temp, _state_bytes(facts, levers, trainable_params)
+
+
+def _blank_weights() -> contextlib.AbstractContextManager:
+    """transformers' own switch that skips the random initialisation of a model built from its config (most of the
+    time of building a copy at the real width: ``normal_`` over a 136M-parameter embedding); the probe fills the
+    weights with a constant instead. A transformers without it: the usual initialisation."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            return contextlib.nullcontext()
+    return no_init_weights()
+
+
+def _export_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> int:
+    """Float32 bytes alive at once while the merged model is written after fit (0 without an export): one shard of
+    :data:`~lit_speed.finetune.export.EXPORT_SHARD_BYTES` and the tensor being merged, at most the whole model."""
+    from lit_speed.finetune.export import EXPORT_SHARD_BYTES
+
+    peft = cfg.get("peft")
+    configured = _target(peft).endswith("PEFTAdapters")
+    if not levers.lora or (configured and not peft.get("export", True)):
+        return 0
+    return int(min(4 * (facts.frozen + facts.trainable), EXPORT_SHARD_BYTES + 4 * facts.largest))
+
+
+def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: int | None = None,
+                 facts: RunFacts | None = None, cache: dict | None = None) -> Any:
+    """The predicted peak RSS (:class:`~lit_speed.memory.rss_estimate.RSSEstimate`) of ``cfg`` with ``levers``
+    (default: the configured ones), or None when the run is not a local Hugging Face model folder.
+
+    ``cache`` (a dict kept by the caller across lever sets) keeps the parameter counts per adapter choice and the
+    probe per set of levers that change the step's tensors: lever sets that differ only in micro-batch share one
+    probe (the step's tensors are linear in tokens), which is what makes ``scripts/plan.py`` one probe per row kind."""
+    import psutil
+
+    from lit_speed.memory.rss_estimate import load_peak_bytes, predict_peak_rss
+    from lit_speed.precision.modes import spec
+
+    folder = hf_folder(cfg)
+    if folder is None:
+        return None
+    configured = configured_levers(cfg)
+    levers = levers or configured
+    cache = {} if cache is None else cache
+    if facts is None:  # given: read for these levers already
+        facts = cache.get(("facts", levers.lora)) or run_facts(cfg, folder, levers)
+    cache[("facts", levers.lora)] = facts
+    process = process_bytes if process_bytes is not None else psutil.Process().memory_info().rss
+    key = ("probe", levers.lora, levers.base_bf16, levers.chunked_loss, levers.checkpointing, levers.low_bit_states)
+    if key not in cache:
+        cache[key] = _probe(cfg, facts, levers)
+    probe, step_temp, state_bytes = cache[key]
     weight_bytes = 2 if spec(facts.precision).module_dtype is not None else 4
     micro_scale = levers.micro_batch / max(configured.micro_batch, 1)
     return predict_peak_rss(
-        process=process, frozen_params=facts.frozen, frozen_bytes=2 if levers.base_bf16 else weight_bytes,
-        trainable_params=facts.trainable, trainable_bytes=4, state_bytes_per_param=_state_bytes(facts, levers,
-                                                                                                trainable_params),
+        export_bytes=_export_bytes(cfg, facts, levers), process=process, frozen_params=facts.frozen, frozen_bytes=2 if levers.base_bf16 else weight_bytes,
+        trainable_params=facts.trainable, trainable_bytes=4, state_bytes_per_param=state_bytes,
         step_temp_per_param=step_temp, probe=probe, layers=facts.layers, vocab=facts.vocab,
         tokens=int(facts.tokens * micro_scale), load_bytes=load_peak_bytes(
             facts.file_bytes, facts.frozen + facts.trainable, 2 if levers.base_bf16 and facts.file_dtype_bytes == 2
@@ -322,7 +377,8 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> No
     if generous_bound(facts, process) <= budget:
         return  # fits even counted generously: no probe
     try:
-        estimate = estimate_run(cfg, configured, process, facts)
+        cache: dict = {}
+        estimate = estimate_run(cfg, configured, process, facts, cache=cache)
     except Exception as error:  # noqa: BLE001 - a probe that cannot run must not stop a run it cannot judge
         warnings.warn(f"lit_speed.run.fit_check: the memory estimate could not run ({type(error).__name__}: "
                       f"{error}); the run goes on unchecked. scripts/plan.py shows the estimate's parts", stacklevel=2)
@@ -331,7 +387,7 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> No
         return
     callbacks = list(_callback_nodes(cfg))
     for levers in lever_sets(configured, not configured.lora)[1:]:
-        other = estimate_run(cfg, levers, process)
+        other = estimate_run(cfg, levers, process, cache=cache)
         if other.peak <= budget:
             fix = " ".join(levers.overrides(configured, callbacks))
             raise ConfigError(f"this run needs about {gib(estimate.peak)} of RAM at its peak (lit_speed.memory."

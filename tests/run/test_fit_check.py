@@ -59,7 +59,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_the_weights_load(ma
     gib = 2**30
     peaks = {False: 30 * gib, True: 6 * gib}  # full fine-tuning / LoRA
 
-    def estimate(cfg, levers=None, process_bytes=None, facts=None):
+    def estimate(cfg, levers=None, process_bytes=None, facts=None, cache=None):
         levers = levers or fit_check.configured_levers(cfg)
         return RSSEstimate(process=gib, weights=peaks[levers.lora] - gib, optimizer=0, step=0, optimizer_step=0,
                            load=0, slack=1.0)
@@ -84,7 +84,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_the_weights_load(ma
 
 def test_a_run_nothing_makes_fit_names_the_remaining_fixes(make_cfg, folder, texts, monkeypatch):
     gib = 2**30
-    monkeypatch.setattr(fit_check, "estimate_run", lambda cfg, levers=None, process_bytes=None, facts=None: RSSEstimate(
+    monkeypatch.setattr(fit_check, "estimate_run", lambda cfg, levers=None, process_bytes=None, facts=None, cache=None: RSSEstimate(
         process=gib, weights=40 * gib, optimizer=0, step=0, optimizer_step=0, load=0, slack=1.0))
     monkeypatch.setattr(fit_check, "generous_bound", lambda facts, process: 10**15)
     with pytest.raises(ConfigError, match=r"no lever set fits .* Fix: a smaller model, data.block_size"):
@@ -153,3 +153,32 @@ def test_plan_script_prints_the_predicted_peak_rss_of_every_lever_set_for_a_hugg
     assert "#4: " in fits.stdout and "peft=lora peft.base_dtype=bf16" in fits.stdout  # the LoRA row's overrides
     nothing = subprocess.run([*args, "--budget-mib", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert nothing.returncode == 1 and "Nothing fits" in nothing.stdout, nothing.stdout[-2000:]
+
+
+def test_the_adapter_settings_are_read_without_resolving_the_other_peft_keys():
+    # plan.py composes the config outside a Hydra run: peft.export_dir's ${hydra:...} cannot resolve there, and
+    # resolving the whole peft node made `scripts/plan.py ... peft=lora` end in an InterpolationResolutionError
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"peft": {"_target_": "lit_speed.finetune.PEFTAdapters", "method": "lora", "r": 8,
+                                     "target_modules": ["q_proj", "${peft.extra}"], "extra": "v_proj",
+                                     "export_dir": "${hydra:runtime.output_dir}/merged"}})
+    args = fit_check._adapter_args(cfg, lora=True)
+    assert args == {"method": "lora", "r": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def test_the_merged_export_is_counted_when_the_run_writes_one(make_cfg, folder, texts):
+    from transformers import AutoModelForCausalLM
+
+    from lit_speed.finetune.export import EXPORT_SHARD_BYTES
+
+    cache: dict = {}  # one probe for the three: they differ only in the export
+    exporting = fit_check.estimate_run(make_cfg(_args(folder, texts, "peft=lora")), process_bytes=0, cache=cache)
+    silent = fit_check.estimate_run(make_cfg(_args(folder, texts, "peft=lora", "peft.export=false")), process_bytes=0,
+                                    cache=cache)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    n = sum({id(p): p.numel() for p in model.parameters()}.values())
+    # tiny: the whole float32 model is under one shard, so all of it (the adapters counted too: +r*(in+out) each)
+    assert 4 * n < exporting.export == exporting.weights < EXPORT_SHARD_BYTES  # float32 weights here
+    assert exporting.export_peak > exporting.process and silent.export == silent.export_peak == 0
+    assert exporting.step == silent.step  # the same probe
