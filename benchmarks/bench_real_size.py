@@ -23,6 +23,7 @@ other with nothing else on the machine (the load average is recorded before and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -142,6 +143,40 @@ def time_v(stderr: str) -> dict[str, float]:
     return out
 
 
+def run_sampled(cmd: list[str], env: dict[str, str], out: Path, every_s: float = 0.25
+                ) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
+    """Run ``cmd`` and sample the RSS of its processes (anonymous and file-backed, ``/proc/<pid>/status``) every
+    ``every_s``: when the peak happens tells which phase makes it (loading, the fit check, a step, validation, the
+    export), which the peak alone cannot. Returns the finished process and the timeline: one sample per second
+    (the largest of that second, MiB) and the peak's time and split."""
+    import psutil
+
+    stdout, stderr = open(out / "stdout.raw", "w+"), open(out / "stderr.raw", "w+")
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, env=env, cwd=ROOT)
+    start, seconds, peak = time.time(), {}, (0, 0.0, 0, 0)
+    while proc.poll() is None:
+        anon = file = 0
+        try:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(OSError), open(f"/proc/{child.pid}/status") as status:
+                    fields = dict(line.split(":", 1) for line in status if ":" in line)
+                    anon += int(fields.get("RssAnon", "0 kB").split()[0]) // 1024
+                    file += int(fields.get("RssFile", "0 kB").split()[0]) // 1024
+        except psutil.Error:
+            pass
+        now = time.time() - start
+        seconds[int(now)] = max(seconds.get(int(now), 0), anon + file)
+        if anon + file > peak[0]:
+            peak = (anon + file, round(now, 1), anon, file)
+        time.sleep(every_s)
+    stdout.seek(0), stderr.seek(0)
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout.read(), stderr.read())
+    stdout.close(), stderr.close()
+    (out / "stdout.raw").unlink(), (out / "stderr.raw").unlink()
+    return done, {"mib_per_s": [seconds[k] for k in sorted(seconds)], "peak_mib": peak[0], "peak_at_s": peak[1],
+                  "peak_anon_mib": peak[2], "peak_file_mib": peak[3]}
+
+
 def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
     group, model, mode, r, kind, extra = spec
     out = WORK / name.replace("/", "_")
@@ -153,11 +188,11 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
         cmd = peer_command(kind, model, mode, extra, args.steps, args.block, args.micro, r, args.lr, out)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "HYDRA_FULL_ERROR": "1"}
     start = time.time()
-    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env, cwd=ROOT)
+    proc, timeline = run_sampled(["/usr/bin/time", "-v", *cmd], env, out)
     wall = time.time() - start
     row: dict[str, Any] = {"name": name, "group": group, "model": model, "mode": mode, "r": r, "tool": kind,
                            "command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": round(wall, 2),
-                           **time_v(proc.stderr)}
+                           **time_v(proc.stderr), "rss_timeline": timeline}
     (out / "stdout.txt").write_text(proc.stdout)
     (out / "stderr.txt").write_text(proc.stderr)
     if proc.returncode != 0:
@@ -269,8 +304,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         row = run_row(name, suite[name], args)
         rows.append(row)
-        print(json.dumps({k: row.get(k) for k in ("name", "exit", "wall_s", "peak_rss_bytes", "steady_tokens_per_s",
-                                                  "mfu", "phases", "loss")}, default=str), flush=True)
+        shown = {k: row.get(k) for k in ("name", "exit", "wall_s", "peak_rss_bytes", "steady_tokens_per_s", "mfu",
+                                         "phases", "loss")}
+        shown["peak"] = {k: v for k, v in row.get("rss_timeline", {}).items() if k != "mib_per_s"}
+        print(json.dumps(shown, default=str), flush=True)
     load_after = os.getloadavg()
     ratios = compare(rows)
     print(json.dumps(ratios, indent=1))
