@@ -4,6 +4,7 @@
     python benchmarks/bench_real_size.py --suite memory     # issue 32: 1B LoRA r=16, 0.5B full and LoRA, peak RSS
     python benchmarks/bench_real_size.py --rows lora05/lit_speed,lora05/trainer --steps 2   # some rows
     python benchmarks/bench_real_size.py --list             # the rows and their commands
+    python benchmarks/bench_real_size.py --suite memory --plan   # + scripts/plan.py before each lit_speed row (item 3)
 
 Model folders: ``model_folders.py`` (Qwen2.5-0.5B and Llama-3.2-1B dimensions, random weights, a tokenizer trained
 here). Corpus: the installed Lightning package's source, tokenised once by lit_speed (cached). Every row is a fresh
@@ -177,6 +178,23 @@ def run_sampled(cmd: list[str], env: dict[str, str], out: Path, every_s: float =
                   "peak_anon_mib": peak[2], "peak_file_mib": peak[3]}
 
 
+def run_plan(train_cmd: list[str], env: dict[str, str], out: Path) -> dict[str, Any]:
+    """``scripts/plan.py`` with the row's own overrides, as a user asks "will it fit" before the run: its wall time,
+    peak RSS and the configured row's predicted peak RSS (issue 32: under a minute, within 15% of the measured)."""
+    overrides = [a for a in train_cmd[2:] if not a.startswith(("hydra.run.dir=", "+callbacks.bench"))]
+    start = time.time()
+    proc = subprocess.run(["/usr/bin/time", "-v", sys.executable, str(ROOT / "scripts" / "plan.py"), *overrides,
+                           "--json", str(out / "plan.json")], capture_output=True, text=True, env=env, cwd=ROOT)
+    result: dict[str, Any] = {"exit": proc.returncode, "wall_s": round(time.time() - start, 2),
+                              "peak_rss_bytes": time_v(proc.stderr).get("peak_rss_bytes")}
+    if proc.returncode not in (0, 1):
+        result["error"] = proc.stderr[-2000:]
+        return result
+    rows = json.loads((out / "plan.json").read_text())["rows"]
+    result.update(predicted_peak_bytes=rows[0]["peak"], predicted_parts=rows[0], rows=len(rows))
+    return result
+
+
 def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
     group, model, mode, r, kind, extra = spec
     out = WORK / name.replace("/", "_")
@@ -187,6 +205,7 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
     else:
         cmd = peer_command(kind, model, mode, extra, args.steps, args.block, args.micro, r, args.lr, out)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "HYDRA_FULL_ERROR": "1"}
+    plan = run_plan(cmd, env, out) if kind == "lit" and args.plan else None
     start = time.time()
     proc, timeline = run_sampled(["/usr/bin/time", "-v", *cmd], env, out)
     wall = time.time() - start
@@ -210,6 +229,10 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
         row.update(step_s=record["step_s"], loss=record["loss"], first_batch_sha=record["first_batch_sha"],
                    memory_breakdown=record.get("memory_breakdown"), phases=record["phases"],
                    launch_to_end_s=record["launch_to_end_s"], settings=record["settings"])
+    if plan is not None:
+        row["plan"] = plan
+        if plan.get("predicted_peak_bytes") and row.get("peak_rss_bytes"):
+            plan["predicted_over_measured"] = round(plan["predicted_peak_bytes"] / row["peak_rss_bytes"], 3)
     if row.get("memory_breakdown") and row.get("peak_rss_bytes"):
         row["memory_breakdown"]["process_rest"] = row["peak_rss_bytes"] - row["memory_breakdown"]["tensor_bytes"]
     tokens = args.micro * args.block
@@ -280,6 +303,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--plan", action="store_true",
+                        help="before each lit_speed row, time scripts/plan.py on its overrides and compare its "
+                             "predicted peak RSS with the row's measured one")
     parser.add_argument("--tag", default="", help="suffix of the result's name")
     parser.add_argument("--no-write", action="store_true", help="print the rows, write no result (exploration)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
@@ -307,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
         shown = {k: row.get(k) for k in ("name", "exit", "wall_s", "peak_rss_bytes", "steady_tokens_per_s", "mfu",
                                          "phases", "loss")}
         shown["peak"] = {k: v for k, v in row.get("rss_timeline", {}).items() if k != "mib_per_s"}
+        shown["plan"] = {k: v for k, v in row.get("plan", {}).items() if k in ("wall_s", "predicted_peak_bytes",
+                                                                              "predicted_over_measured", "exit")}
         print(json.dumps(shown, default=str), flush=True)
     load_after = os.getloadavg()
     ratios = compare(rows)
@@ -324,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     line += "; " + ", ".join(f"{r['name']} {r.get('peak_rss_bytes', 0) / 2**30:.2f} GiB"
                              + (f" (tensors {r['memory_breakdown']['tensor_bytes'] / 2**30:.2f})"
                                 if r.get("memory_breakdown") else "") + f" {r['wall_s']:.0f} s"
+                             + (f" (plan.py {r['plan']['wall_s']:.0f} s, predicted x{r['plan']['predicted_over_measured']})"
+                                if r.get("plan", {}).get("predicted_over_measured") else "")
                              + ("" if r.get("exit") == 0 else " FAILED") for r in rows)
     line += f"; load {load_before[0]:.1f} -> {load_after[0]:.1f}"
     write_result(name, results, line)

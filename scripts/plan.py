@@ -10,6 +10,7 @@ marks the configured run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -37,10 +38,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--strategies", type=_csv, default=None, help="conf/strategy options (default: the config's)")
     parser.add_argument("--world-size", type=int, default=None, help="processes (default: the config's)")
     parser.add_argument("--top", type=int, default=20, help="rows to print")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the rows (a Hugging Face folder's lever sets: every part, bytes) to this file")
     return parser.parse_known_args(argv)
 
 
-def plan_hf_run(cfg, budget: int | None) -> int:
+def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
     """Every lever set of :func:`lit_speed.run.fit_check.lever_sets` with its predicted peak RSS (no weights read)."""
     import psutil
     from rich.console import Console
@@ -58,7 +61,7 @@ def plan_hf_run(cfg, budget: int | None) -> int:
                  "fits"):
         table.add_column(name, justify="left" if name == "levers" else "right", no_wrap=name == "levers")
     first_fit = None
-    commands = []
+    commands, rows = [], []
     cache: dict = {}  # one probe per kind of row: rows that differ in micro-batch only share it
     for i, levers in enumerate(lever_sets(configured, not configured.lora)):
         estimate = estimate_run(cfg, levers, process, cache=cache)
@@ -75,6 +78,9 @@ def plan_hf_run(cfg, budget: int | None) -> int:
                                                      max(estimate.step, estimate.optimizer_step), estimate.load,
                                                      estimate.export, estimate.peak)), "yes" if fits else "no")
         commands.append(f"#{i}: {fix}")
+        rows.append({"row": i, "overrides": fix, "fits": fits, **estimate.parts()})
+    if json_path is not None:
+        json_path.write_text(json.dumps({"budget": budget, "rows": rows}, indent=1))
     Console(soft_wrap=True).print(table)
     for line in commands:  # plain print: brackets must not be read as rich markup
         print(line)
@@ -109,7 +115,7 @@ def main(argv: list[str]) -> int:
         from lit_speed.run.fit_check import hf_folder
 
         if hf_folder(cfg) is not None:  # a Hugging Face model folder: the process's peak RSS, from the config
-            return plan_hf_run(cfg, budget)
+            return plan_hf_run(cfg, budget, args.json)
         result, configured = plan_run(cfg, overrides, budget, [int(b) for b in args.micro_batches or []] or None,
                                       args.precisions, args.checkpoint, args.strategies, args.world_size)
     except ConfigError as error:
@@ -127,6 +133,10 @@ def main(argv: list[str]) -> int:
     console.print(table)
     for i, cells in enumerate(rows, 1):  # plain print: brackets must not be read as rich markup
         print(f"#{i}: python scripts/train.py {cells[-1]}")
+    if args.json is not None:
+        names = ("precision", "ckpt", "micro", "strategy", "peak MiB", "host MiB", "rel. speed", "overrides")
+        args.json.write_text(json.dumps({"budget": budget, "rows": [dict(zip(names, cells)) for cells in rows]},
+                                        indent=1))
     print(describe_configured(configured))
     for note in result.notes:
         console.print(f"  note: {note}")
