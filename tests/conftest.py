@@ -75,6 +75,14 @@ EXTENDED = (
     "completed_step_and_exits_143[zero2]",
     "tests/checkpointing/test_faults_resume_metrics.py::test_two_processes_resumed_mid_epoch_log_the_epochs_train_acc_"
     "like_the_uninterrupted_run[zero2]",
+    # 2026-11-26: CI's slow tier ran past its 75 minutes (4500 s, at 98%) once the signal tests of issue 33 joined it.
+    # These three (75-90 s each on Z3) have a twin CI runs that covers more: the DDP mid-epoch kill with curriculum
+    # ([ddp-curriculum]), the ZeRO-2 random-step kill with bf16, ramp and curriculum, and the mid-epoch resumable
+    # loader on one process ([auto]) plus ZeRO-2's kill inside a save (test_faults_zero_save).
+    "tests/checkpointing/test_faults_resume.py::test_two_processes_killed_mid_epoch_resume_bitwise[ddp]",
+    "tests/checkpointing/test_faults_resume.py::test_sigkill_at_a_random_step_then_resume_matches_the_uninterrupted_"
+    "run[32true-zero2-noaccum-nocurriculum]",
+    "tests/checkpointing/test_faults_resume.py::test_mid_epoch_checkpoint_of_a_resumable_loader_resumes_exactly[zero2]",
 )
 
 

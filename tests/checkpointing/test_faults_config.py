@@ -8,8 +8,10 @@ by the component that owns the constraint, naming both sides.
 """
 from __future__ import annotations
 
+import os
 import re
-from functools import lru_cache
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from subprocess import CompletedProcess
 from tempfile import mkdtemp
@@ -201,10 +203,24 @@ CASES.update({
 })
 
 
-@lru_cache(maxsize=None)
 def _run(case: str) -> tuple[CompletedProcess, Path]:
     run_dir = Path(mkdtemp(prefix=f"bad_config_{case}_"))
     return train([*CASES[case][0], "trainer.max_epochs=1"], run_dir, timeout=300), run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(request) -> Iterator[Callable[[str], tuple[CompletedProcess, Path]]]:
+    """Every selected case's run, started at once on a pool of as many workers as this process may use cores.
+
+    Each case is a fresh interpreter that stops before training: its time is imports and config checks on one core,
+    so the pool cuts this file's time by the number of cores (the slow tier's longest file: 60 interpreters)."""
+    cases = list(dict.fromkeys(item.callspec.params["case"] for item in request.session.items
+                               if item.path == Path(__file__) and hasattr(item, "callspec")))
+    with ThreadPoolExecutor(max(1, min(4, len(os.sched_getaffinity(0))))) as pool:
+        futures = {case: pool.submit(_run, case) for case in cases}
+        yield lambda case: futures[case].result()
+        for future in futures.values():  # `pytest -x` stopped early: the cases not started are not needed
+            future.cancel()
 
 
 PARAMS = [pytest.param(case, marks=[pytest.mark.slow] if slow else [], id=case)
@@ -212,16 +228,16 @@ PARAMS = [pytest.param(case, marks=[pytest.mark.slow] if slow else [], id=case)
 
 
 @pytest.mark.parametrize("case", PARAMS)
-def test_bad_config_is_refused_before_training_with_a_message_naming_the_setting(case):
-    proc, run_dir = _run(case)
+def test_bad_config_is_refused_before_training_with_a_message_naming_the_setting(case, runs):
+    proc, run_dir = runs(case)
     assert proc.returncode != 0, explain(proc)
     assert re.search(CASES[case][1], proc.stderr), f"message {CASES[case][1]!r} not in stderr\n{explain(proc)}"
     assert not (run_dir / "checkpoints").exists() and "Epoch 0" not in proc.stdout, "training started"
 
 
 @pytest.mark.parametrize("case", PARAMS)
-def test_bad_config_output_is_one_clean_message(case):
-    proc, _ = _run(case)
+def test_bad_config_output_is_one_clean_message(case, runs):
+    proc, _ = runs(case)
     assert proc.returncode == 2, explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)
     assert len(re.findall(r"^Config error: ", proc.stderr, flags=re.M)) == 1, explain(proc)
