@@ -32,6 +32,7 @@ through the public names of ``lit_speed/__init__.py`` or one of these shared mod
 * ``lit_speed.tables`` - the start-up and end-of-run tables.
 * ``lit_speed.step_logging`` - cheap per-step ``self.log`` of changing values.
 * ``lit_speed.oom`` - recognising out-of-memory errors on any device.
+* ``lit_speed.tensors`` - checks over whole tensors (``finite``) that make no temporary as large as the tensor.
 * ``lit_speed.data.pipeline`` - the loader building blocks every DataModule uses (curriculum's included).
 * ``lit_speed.tuning`` - choices timed on this machine and cached per machine (optimizer kernels, Muon's dtype, ...).
 * ``lit_speed.precision.modes`` - the precision-mode table (``spec(mode)``: weight and compute dtypes, master copy,

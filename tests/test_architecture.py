@@ -32,6 +32,7 @@ SHARED_MODULES = (
     "lit_speed.tables",       # start-up and end-of-run tables
     "lit_speed.step_logging",  # cheap per-step self.log of changing values
     "lit_speed.oom",          # out-of-memory errors in all their disguises
+    "lit_speed.tensors",      # checks over whole tensors without a tensor-sized temporary (finite)
     "lit_speed.data.pipeline",  # loader building blocks every DataModule uses
     "lit_speed.tuning",       # choices timed on this machine (optimizer kernels, Muon dtype, ...), cached per machine
     "lit_speed.precision.modes",  # the precision-mode table: one ModeSpec per mode, asked instead of literals

@@ -106,7 +106,9 @@ def write_failure_message(exception: OSError, trainer: "pl.Trainer") -> str:
 
 def nonfinite_parameters(module: torch.nn.Module) -> list[str]:
     """Names of parameters holding a NaN or an infinity (of this process's shard, under ZeRO-3)."""
-    return [name for name, p in module.named_parameters() if p.numel() and not torch.isfinite(p.detach()).all()]
+    from lit_speed.tensors import finite
+
+    return [name for name, p in module.named_parameters() if p.numel() and not bool(finite(p))]
 
 
 def loss_value(outputs: Any) -> torch.Tensor | None:

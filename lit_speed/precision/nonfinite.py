@@ -13,6 +13,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from lit_speed.tensors import finite
+
 
 class Action(enum.Enum):
     STEP = "step"
@@ -49,13 +51,13 @@ def all_finite(tensors: Sequence[Tensor]) -> Tensor:
     """A 0-dim bool tensor: every element of every tensor is finite (no host sync)."""
     if not tensors:
         return torch.tensor(True)
-    return torch.stack([torch.isfinite(t).all().to(tensors[0].device) for t in tensors]).all()
+    return torch.stack([finite(t).to(tensors[0].device) for t in tensors]).all()
 
 
 def first_nonfinite(named: Iterable[tuple[str, Tensor]]) -> str | None:
     """Name of the first tensor holding inf/NaN and what it holds (for messages; syncs per tensor)."""
     for name, t in named:
-        if not bool(torch.isfinite(t).all()):
+        if not bool(finite(t)):
             kind = "nan" if bool(torch.isnan(t).any()) else "inf"
             return f"{name} ({kind})"
     return None
