@@ -109,6 +109,10 @@ def main(argv: list[str]) -> int:
         print(f"--micro-batches must be comma-separated positive integers, got {','.join(args.micro_batches)!r}; "
               f"e.g. --micro-batches 4,8,16", file=sys.stderr)
         return 2
+    if args.json is not None and not (args.json.parent.is_dir() and os.access(args.json.parent, os.W_OK)):
+        print(f"--json {args.json}: its folder {args.json.parent} does not exist or is not writable; e.g. --json "
+              "plan.json", file=sys.stderr)
+        return 2
     budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
     try:
         cfg = preflight(overrides)

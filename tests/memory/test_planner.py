@@ -142,6 +142,8 @@ def _plan_script():
     (["--micro-batches", "4,x"], r"--micro-batches must be comma-separated positive integers, got '4,x'"),
     (["data=charlmm"], r"Config error: data=charlmm: unknown option 'charlmm'.*Did you mean data=charlm\?"),
     (["experiment"], r"Unknown argument\(s\) \['experiment'\]: give Hydra overrides as key=value"),
+    (["--json", "/nonexistent/plan.json"], r"--json /nonexistent/plan\.json: its folder /nonexistent does not exist "
+                                            r"or is not writable"),
 ])
 def test_plan_script_refuses_bad_arguments(capsys, argv, message):
     assert _plan_script().main(argv) == 2
