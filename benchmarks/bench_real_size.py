@@ -148,12 +148,13 @@ def run_sampled(cmd: list[str], env: dict[str, str], out: Path, every_s: float =
                 ) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
     """Run ``cmd`` and sample the RSS of its processes (anonymous and file-backed, ``/proc/<pid>/status``) every
     ``every_s``: when the peak happens tells which phase makes it (loading, the fit check, a step, validation, the
-    export), which the peak alone cannot. Returns the finished process and the timeline: one sample per second
-    (the largest of that second, MiB) and the peak's time and split."""
+    export), which the peak alone cannot. Output goes to ``out/stdout.txt`` and ``out/stderr.txt``. Returns the
+    finished process and the timeline: one sample per second (the largest of that second, MiB) and the peak's time
+    and split."""
     import psutil
 
-    stdout, stderr = open(out / "stdout.raw", "w+"), open(out / "stderr.raw", "w+")
-    proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, env=env, cwd=ROOT)
+    with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, env=env, cwd=ROOT)
     start, seconds, peak = time.time(), {}, (0, 0.0, 0, 0)
     while proc.poll() is None:
         anon = file = 0
@@ -170,10 +171,8 @@ def run_sampled(cmd: list[str], env: dict[str, str], out: Path, every_s: float =
         if anon + file > peak[0]:
             peak = (anon + file, round(now, 1), anon, file)
         time.sleep(every_s)
-    stdout.seek(0), stderr.seek(0)
-    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout.read(), stderr.read())
-    stdout.close(), stderr.close()
-    (out / "stdout.raw").unlink(), (out / "stderr.raw").unlink()
+    done = subprocess.CompletedProcess(cmd, proc.returncode, (out / "stdout.txt").read_text(),
+                                       (out / "stderr.txt").read_text())
     return done, {"mib_per_s": [seconds[k] for k in sorted(seconds)], "peak_mib": peak[0], "peak_at_s": peak[1],
                   "peak_anon_mib": peak[2], "peak_file_mib": peak[3]}
 
@@ -212,8 +211,6 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = {"name": name, "group": group, "model": model, "mode": mode, "r": r, "tool": kind,
                            "command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": round(wall, 2),
                            **time_v(proc.stderr), "rss_timeline": timeline}
-    (out / "stdout.txt").write_text(proc.stdout)
-    (out / "stderr.txt").write_text(proc.stderr)
     if proc.returncode != 0:
         row["error"] = proc.stderr[-2000:]
         return row

@@ -127,7 +127,8 @@ def main(argv: list[str]) -> int:
         return 2
     title = "configurations that fit" + (f" in {args.budget_mib:g} MiB" if budget else "") + ", fastest first"
     table = Table(title=title, title_justify="left")
-    for name in ("#", "precision", "ckpt", "micro", "strategy", "peak MiB", "host MiB", "rel. speed"):
+    columns = ("precision", "ckpt", "micro", "strategy", "peak MiB", "host MiB", "rel. speed")  # table_rows' cells
+    for name in ("#", *columns):
         table.add_column(name, justify="right" if name not in ("precision", "strategy") else "left")
     shown = (result.fitting if budget else result.rows)[:args.top]
     rows = result.table_rows(args.top)
@@ -138,9 +139,8 @@ def main(argv: list[str]) -> int:
     for i, cells in enumerate(rows, 1):  # plain print: brackets must not be read as rich markup
         print(f"#{i}: python scripts/train.py {cells[-1]}")
     if args.json is not None:
-        names = ("precision", "ckpt", "micro", "strategy", "peak MiB", "host MiB", "rel. speed", "overrides")
-        args.json.write_text(json.dumps({"budget": budget, "rows": [dict(zip(names, cells)) for cells in rows]},
-                                        indent=1))
+        args.json.write_text(json.dumps({"budget": budget, "rows": [dict(zip((*columns, "overrides"), cells))
+                                                                    for cells in rows]}, indent=1))
     print(describe_configured(configured))
     for note in result.notes:
         console.print(f"  note: {note}")

@@ -321,12 +321,12 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
     weight_bytes = 2 if spec(facts.precision).module_dtype is not None else 4
     micro_scale = levers.micro_batch / max(configured.micro_batch, 1)
     return predict_peak_rss(
-        export_bytes=_export_bytes(cfg, facts, levers), process=process, frozen_params=facts.frozen, frozen_bytes=2 if levers.base_bf16 else weight_bytes,
+        process=process, frozen_params=facts.frozen, frozen_bytes=2 if levers.base_bf16 else weight_bytes,
         trainable_params=facts.trainable, trainable_bytes=4, state_bytes_per_param=state_bytes,
         step_temp_per_param=step_temp, probe=probe, layers=facts.layers, vocab=facts.vocab,
         tokens=int(facts.tokens * micro_scale), load_bytes=load_peak_bytes(
             facts.file_bytes, facts.frozen + facts.trainable, 2 if levers.base_bf16 and facts.file_dtype_bytes == 2
-            else 4, facts.file_dtype_bytes))
+            else 4, facts.file_dtype_bytes), export_bytes=_export_bytes(cfg, facts, levers))
 
 
 def lever_sets(configured: Levers, full_fine_tuning: bool) -> list[Levers]:
