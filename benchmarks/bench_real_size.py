@@ -71,17 +71,26 @@ def peer_command(tool: str, model: str, mode: str, flags: str, steps: int, block
 
 
 #: lit_speed's levers per row, as Hydra overrides (what a user types). Filled from the components that exist.
-LIT_LORA: list[str] = ["callbacks=[default,chunked_loss]"]
-LIT_FULL: list[str] = ["peft=none", "optimizer=adamw_fused"]
+#: Speed rows: freed memory kept for the next step (no page faults), no sanity check before the first step (the
+#: validation step is lit_speed's own; the final validation still runs and is in the time).
+LIT_LORA: list[str] = ["callbacks=[default,chunked_loss,keep_freed_memory]", "trainer.num_sanity_val_steps=0"]
+LIT_FULL: list[str] = ["peft=none", "optimizer=adamw_fused", "callbacks=[default,chunked_loss,keep_freed_memory]",
+                       "trainer.num_sanity_val_steps=0"]
 LIT_MEMORY_LORA: list[str] = ["peft.base_dtype=bf16",
                                "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
 LIT_MEMORY_FULL: list[str] = ["peft=none", "optimizer=adamw8bit",
                               "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
 
+#: a peer's flags ending in this run it with glibc told what KeepFreedMemory tells it (MALLOC_MMAP_MAX_=0, no trim)
+KEEP = ":keep"
+KEEP_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "2147483647"}
+
 #: name -> (group, model, mode, r, kind, spec): kind "lit" (spec: extra overrides) or a peer tool (spec: its flags)
 SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
     "speed": {
         "lora05/trainer": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "speed"),
+        # the Trainer with the same allocator setting as lit_speed's keep_freed_memory, from the environment
+        "lora05/trainer_keep": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "speed" + KEEP),
         "lora05/lightning": ("lora05", "qwen2.5-0.5b", "lora", 8, "lightning", "speed"),
         "lora05/lit_speed": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA),
         "full05/trainer": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "speed"),
@@ -202,8 +211,10 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
     if kind == "lit":
         cmd = lit_command(model, mode, args.steps, args.block, args.micro, r, args.lr, list(extra), out)
     else:
-        cmd = peer_command(kind, model, mode, extra, args.steps, args.block, args.micro, r, args.lr, out)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "HYDRA_FULL_ERROR": "1"}
+        flags = extra.removesuffix(KEEP)
+        cmd = peer_command(kind, model, mode, flags, args.steps, args.block, args.micro, r, args.lr, out)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "HYDRA_FULL_ERROR": "1",
+           **(KEEP_ENV if kind != "lit" and extra.endswith(KEEP) else {})}
     plan = run_plan(cmd, env, out) if kind == "lit" and args.plan else None
     start = time.time()
     proc, timeline = run_sampled(["/usr/bin/time", "-v", *cmd], env, out)
@@ -243,15 +254,18 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compare(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Ratios of each row to its group's Trainer row (``<group>/trainer``), and the loss agreement."""
+    """Ratios of each row to its group's Trainer row (``<group>/trainer``), and the loss agreement; lit_speed's rows
+    also to the Trainer told the same allocator setting (``<group>/trainer_keep``, key ``<row> vs trainer_keep``)."""
     out: dict[str, dict[str, Any]] = {}
     by_name = {r["name"]: r for r in rows if r.get("exit") == 0}
-    for row in by_name.values():
-        ref = by_name.get(f"{row['group']}/trainer")
+    pairs = [(row, by_name.get(f"{row['group']}/trainer"), row["name"]) for row in by_name.values()]
+    pairs += [(row, by_name.get(f"{row['group']}/trainer_keep"), f"{row['name']} vs trainer_keep")
+              for row in by_name.values() if row["tool"] == "lit"]
+    for row, ref, key in pairs:
         if ref is None or ref is row:
             continue
         losses = [abs(a - b) for a, b in zip(row["loss"], ref["loss"])]
-        out[row["name"]] = {
+        out[key] = {
             "launch_to_end_x": round(row["wall_s"] / ref["wall_s"], 3),
             "steady_tokens_per_s_x": round(row["steady_tokens_per_s"] / ref["steady_tokens_per_s"], 3),
             "peak_rss_x": round(row["peak_rss_bytes"] / ref["peak_rss_bytes"], 3),

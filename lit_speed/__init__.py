@@ -29,6 +29,8 @@ _EXPORTS = {
     "activation_checkpointing_on": "lit_speed.memory.activation_checkpointing",
     "ReturnFreedMemory": "lit_speed.memory.allocator",
     "return_freed_memory": "lit_speed.memory.allocator",
+    "KeepFreedMemory": "lit_speed.memory.allocator",
+    "keep_freed_memory": "lit_speed.memory.allocator",
     "CompileModel": "lit_speed.memory.compile_model",
     "ChunkedLMLoss": "lit_speed.memory.chunked_lm_loss",
     "chunked_lm_loss": "lit_speed.memory.chunked_cross_entropy",

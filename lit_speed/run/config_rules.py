@@ -225,6 +225,27 @@ def check_precision_strategy(cfg: DictConfig) -> None:
                           "strategy=zero2 (DeepSpeed keeps float32 masters itself), or trainer.devices=1")
 
 
+#: Callbacks that undo each other: (target, target, why). Both in one run is refused before anything is built.
+OPPOSED_CALLBACKS = (
+    ("lit_speed.memory.allocator.KeepFreedMemory", "lit_speed.memory.allocator.ReturnFreedMemory",
+     "one keeps freed memory in the process for speed, the other returns it to the system for memory"),
+)
+
+
+def check_callbacks(cfg: DictConfig) -> None:
+    """Refuse two callbacks that undo each other (:data:`OPPOSED_CALLBACKS`), naming both keys."""
+    callbacks = cfg.get("callbacks")
+    if not isinstance(callbacks, DictConfig):
+        return
+    keys = {str(node.get("_target_")): key for key, node in callbacks.items_ex(resolve=False)
+            if isinstance(node, DictConfig) and node.get("_target_") is not None}
+    for first, second, why in OPPOSED_CALLBACKS:
+        if first in keys and second in keys:
+            a, b = keys[first], keys[second]
+            raise ConfigError(f"callbacks: {a} and {b} together: {why}. Fix: keep one "
+                              f"(callbacks=[default,{a}] or callbacks=[default,{b}])")
+
+
 #: configs that passed :func:`check_config` in this process (their unresolved YAML): ``scripts/train.py``'s
 #: pre-flight checks the config, and the runner, handed the same config by Hydra, does not check it again
 _PASSED: set[str] = set()
@@ -260,4 +281,5 @@ def _check_config(cfg: DictConfig, folders: Sequence[Path]) -> None:
         raise ConfigError(f"seed={seed!r}: expected an integer or null. Fix: seed=42 (or seed=null for no seeding)")
     check_optimizer(cfg)
     check_trainer(cfg)
+    check_callbacks(cfg)
     check_checkpoint_path(cfg.get("ckpt_path"))

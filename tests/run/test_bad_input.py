@@ -325,6 +325,10 @@ def test_fine_tuning_options_are_refused_before_training_naming_the_setting(make
     (["callbacks=[return_freed_memory]", "callbacks.return_freed_memory.threshold_kib=0"],
      r"^callbacks\.return_freed_memory\.threshold_kib=0: ReturnFreedMemory\(threshold_kib=0\): an int in 1\.\.32768 "
      r".*Fix: threshold_kib=256$"),
+    (["callbacks=[default,keep_freed_memory,return_freed_memory]"],
+     r"^callbacks: keep_freed_memory and return_freed_memory together: one keeps freed memory in the process for "
+     r"speed, the other returns it to the system for memory\. Fix: keep one \(callbacks=\[default,keep_freed_memory\] "
+     r"or callbacks=\[default,return_freed_memory\]\)$"),
     (["experiment=charlm_cpu", "callbacks=[chunked_loss]", "callbacks.chunked_loss.chunk_mib=0"],
      r"^callbacks\.chunked_loss\.chunk_mib=0: ChunkedLMLoss\(chunk_mib=0\): .*Fix: chunk_mib=128"),
     # a bf16-held frozen base needs float32 module weights around it (the adapters) and no ZeRO
