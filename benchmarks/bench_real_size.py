@@ -78,6 +78,7 @@ LIT_FULL: list[str] = ["peft=none", "optimizer=adamw_fused", "callbacks=[default
                        "trainer.num_sanity_val_steps=0"]
 LIT_MEMORY_LORA: list[str] = ["peft.base_dtype=bf16",
                                "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
+LIT_MEMORY_LORA_INT8: list[str] = ["peft.base_dtype=int8", *LIT_MEMORY_LORA[1:]]
 LIT_MEMORY_FULL: list[str] = ["peft=none", "optimizer=adamw8bit",
                               "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
 
@@ -100,8 +101,10 @@ SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
         "lora1b/trainer": ("lora1b", "llama-3.2-1b", "lora", 16, "trainer", "memory"),
         "lora1b/lightning": ("lora1b", "llama-3.2-1b", "lora", 16, "lightning", "speed"),
         "lora1b/lit_speed": ("lora1b", "llama-3.2-1b", "lora", 16, "lit", LIT_MEMORY_LORA),
+        "lora1b/lit_speed_int8": ("lora1b", "llama-3.2-1b", "lora", 16, "lit", LIT_MEMORY_LORA_INT8),
         "lora05/trainer": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "memory"),
         "lora05/lit_speed": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_MEMORY_LORA),
+        "lora05/lit_speed_int8": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_MEMORY_LORA_INT8),
         "full05/trainer_default": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "default"),
         "full05/trainer": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "memory"),
         "full05/lit_speed": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_MEMORY_FULL),

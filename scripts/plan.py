@@ -50,7 +50,7 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
     from rich.table import Table
 
     from lit_speed.memory.rss_estimate import gib
-    from lit_speed.run.fit_check import _callback_nodes, configured_levers, estimate_run, lever_sets
+    from lit_speed.run.fit_check import callback_nodes, configured_levers, estimate_run, lever_sets
 
     process = psutil.Process().memory_info().rss
     budget = budget if budget is not None else process + psutil.virtual_memory().available
@@ -65,9 +65,9 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
     cache: dict = {}  # one probe per kind of row: rows that differ in micro-batch only share it
     for i, levers in enumerate(lever_sets(configured, not configured.lora)):
         estimate = estimate_run(cfg, levers, process, cache=cache)
-        fix = " ".join(levers.overrides(configured, list(_callback_nodes(cfg)))) or "(as configured)"
+        fix = " ".join(levers.overrides(configured, list(callback_nodes(cfg)))) or "(as configured)"
         added = [short for name, short in (("chunked_loss", "chunk"), ("base_bf16", "bf16"), ("low_bit_states", "8bit"),
-                                           ("checkpointing", "ckpt"), ("lora", "lora"))
+                                           ("checkpointing", "ckpt"), ("base_int8", "int8"), ("lora", "lora"))
                  if getattr(levers, name) and not getattr(configured, name)]
         if levers.micro_batch != configured.micro_batch:
             added.append(f"mb{levers.micro_batch}")

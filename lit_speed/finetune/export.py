@@ -9,8 +9,8 @@ file otherwise; ``"hf"`` or ``"state_dict"`` to choose). Each adapter layer is m
 (``merge(safe_merge=True)``) on a float32 copy of that one layer, and the folder is written shard by shard, so the
 export never holds a second copy of the model: at 0.5-1B parameters a whole merged copy costs as much memory as
 the weights. The trained module is left exactly as it was (adapters, precision, activation checkpointing); its
-``state_dict()`` values are used in float32 (bf16-master's masters; a bf16-held frozen base's values, exactly, plus
-the adapters' float32 update).
+``state_dict()`` values are used in float32 (bf16-master's masters; a bf16-held frozen base's values, exactly, and
+an int8-held one's dequantized values, plus the adapters' float32 update).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lit_speed.finetune.adapters import adapter_layers
+from lit_speed.finetune.frozen_base import dequantize_frozen_base, dequantized, int8_scales
 
 
 def merge_adapters(model: nn.Module) -> int:
@@ -71,7 +72,11 @@ def check_export_dir(out_dir: str | Path, owner: str = "PEFTAdapters") -> Path:
     return out
 
 
-def _float32(tensor: torch.Tensor) -> torch.Tensor:
+def _float32(tensor: torch.Tensor, scales: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """``tensor``'s float32 values: a cast, an int8-held frozen weight dequantized (``scales``: :func:`~lit_speed.
+    finetune.frozen_base.int8_scales`), integers (token ids, counters) as they are."""
+    if scales and id(tensor) in scales:
+        return dequantized(tensor.detach(), scales[id(tensor)], torch.float32)
     return tensor.detach().float() if tensor.is_floating_point() else tensor.detach()
 
 
@@ -87,15 +92,18 @@ def merged_tensors(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     top = [(n, layer) for n, layer in layers if not any(n.startswith(other + ".") for other, _ in layers)]
     inside = tuple(f"{name}." for name, _ in top)
     seen: set[int] = set()
+    scales = int8_scales(module)
     for key, value in module.state_dict(keep_vars=True).items():
         if key.startswith(inside):
             continue
         if value.data_ptr() in seen and value.numel():
             continue
         seen.add(value.data_ptr())
-        yield {key: _float32(value)}
+        yield {key: _float32(value, scales)}
     for name, layer in top:
-        one = copy.deepcopy(layer).float()
+        one = copy.deepcopy(layer)
+        dequantize_frozen_base(one)  # an int8-held base layer: its float32 values before the merge
+        one = one.float()
         one.merge(safe_merge=True)  # raises on non-finite merged weights
         yield {f"{name}.{k}": _float32(v) for k, v in one.get_base_layer().state_dict().items()}
 
@@ -205,8 +213,9 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: object | Non
         return written
     # contiguous clones: tied weights become two equal tensors, which torch.load(weights_only=True) reads anywhere
     state = {k: v.clone().contiguous() for group in merged_tensors(model) for k, v in group.items()}
+    scales = int8_scales(model)
     for key, value in model.state_dict(keep_vars=True).items():  # a tied name merged_tensors gave once
         if key not in state and not any(key.startswith(f"{n}.") for n, _ in adapter_layers(model)):
-            state[key] = _float32(value).clone().contiguous()
+            state[key] = _float32(value, scales).clone().contiguous()
     torch.save(state, out / "model.pt")
     return {"state_dict": str(out / "model.pt")}

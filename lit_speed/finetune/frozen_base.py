@@ -1,9 +1,19 @@
-"""A frozen base held in bf16 under adapters, computed in float32 or bf16, whichever is faster here.
+"""A frozen base held in bf16 or int8 under adapters, computed in float32 or bf16, whichever is faster here.
 
-The functional core of ``PEFTAdapters(base_dtype="bf16")``; usable without Lightning::
+The functional core of ``PEFTAdapters(base_dtype="bf16" | "int8")``; usable without Lightning::
 
     add_adapters(model, "lora", ["all-linear"])            # the base is frozen, the adapters float32
     lowered = lower_frozen_base(model, compute="fp32")     # frozen Linear/Embedding weights now bf16: half the bytes
+    lowered = lower_frozen_base(model, torch.int8)         # or int8 + a float32 scale per output row: a quarter
+
+**int8** is symmetric absmax quantization per output channel (a Linear's row, an Embedding's row - the same rows
+when an LM head is tied to its embedding -, a GPT-2 ``Conv1D``'s column): ``w ~ q * scale``, ``q`` in -127..127,
+the scheme of torchao's int8 weight-only config. Each matmul dequantizes its own layer's weight to the compute
+dtype (as the bf16 path casts it) and backward does so again from the int8 weight, so the same autograd function
+serves both and the adapters train against exactly the dequantized base. torchao's tensor subclass is not used:
+this path needs the input gradient through every frozen matmul and the merged float32 export, in one code path
+for Linear, Conv1D and tied Embeddings. The quantization error (at most half a step, ``scale / 2``, per weight) is
+a change to the base: the export writes the dequantized base plus the merged adapters.
 
 *Held* and *computed* are separate: on a CPU without native bf16 kernels (AVX512-BF16/AMX) a bf16 matmul is 50-500x
 slower than a float32 one, so ``compute="fp32"`` casts each frozen weight to float32 just for its own matmul (one
@@ -30,7 +40,8 @@ from lit_speed.compat.torch import cpu_has_native_bf16
 from lit_speed.tuning import Decision, measured_choice
 
 _ATTR = "_lit_speed_low_precision"
-BASE_DTYPES = {"bf16": torch.bfloat16}
+BASE_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
+INT8_MAX = 127
 COMPUTES = ("auto", "fp32", "bf16")
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -51,23 +62,48 @@ class _UpcastMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                transposed: bool) -> torch.Tensor:
+                transposed: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
         if ctx.needs_input_grad[1]:
             raise RuntimeError("a low-precision frozen weight requires grad: unfreeze it before lowering the base "
                                "(lit_speed.finetune.frozen_base lowers frozen weights only)")
-        w = weight.to(x.dtype)
-        ctx.save_for_backward(weight)
+        w = dequantized(weight, scale, x.dtype)
+        ctx.save_for_backward(weight, scale)
         ctx.transposed = transposed
         ctx.bias_shape = None if bias is None else bias.shape
         return F.linear(x, w.t() if transposed else w, None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (weight,) = ctx.saved_tensors
-        w = weight.to(grad.dtype)
+        weight, scale = ctx.saved_tensors
+        w = dequantized(weight, scale, grad.dtype)
         grad_x = grad @ (w.t() if ctx.transposed else w) if ctx.needs_input_grad[0] else None
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
-        return grad_x, None, grad_b, None
+        return grad_x, None, grad_b, None, None
+
+
+def dequantized(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` in ``dtype``: a cast, or ``q * scale`` for an int8 weight (``scale`` broadcasts: one per output
+    channel)."""
+    if scale is None:
+        return weight.to(dtype)
+    return (weight.to(torch.float32) * scale).to(dtype) if dtype != torch.float32 else weight.to(dtype) * scale
+
+
+def quantize_int8(weight: torch.Tensor, channel_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: symmetric absmax int8 per channel along ``channel_dim`` (``scale`` keeps ``weight``'s rank,
+    1 elsewhere; a channel of zeros gets scale 1). Computed one block of channels at a time in float32, so the
+    float32 temporaries stay small for a 150k-row embedding."""
+    w = weight.detach()
+    amax = w.abs().amax(dim=1 - channel_dim, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    step = max(1, (1 << 22) // max(w.shape[1 - channel_dim], 1))
+    for start in range(0, w.shape[channel_dim], step):
+        block = w.narrow(channel_dim, start, min(step, w.shape[channel_dim] - start)).float()
+        s = scale.narrow(channel_dim, start, block.shape[channel_dim])
+        q.narrow(channel_dim, start, block.shape[channel_dim]).copy_(
+            torch.round(block / s).clamp_(-INT8_MAX, INT8_MAX))
+    return q, scale
 
 
 class _LowPrecisionForward:
@@ -75,23 +111,25 @@ class _LowPrecisionForward:
 
     It keeps a reference to its module (not a bound method), so ``copy.deepcopy`` copies it along."""
 
-    def __init__(self, module: nn.Module, kind: str, compute: str) -> None:
+    def __init__(self, module: nn.Module, kind: str, compute: str, scale: torch.Tensor | None = None) -> None:
         self.module, self.kind, self.compute = module, kind, compute
+        self.scale = scale  # int8 weights: float32, one per output channel (shaped to broadcast over the weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
-        if self.kind == "embedding":  # gather the bf16 rows, then float32 activations
-            return F.embedding(x, m.weight, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq,
+        if self.kind == "embedding":  # gather the low-precision rows, then float32 activations
+            rows = F.embedding(x, m.weight, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq,
                                m.sparse).float()
+            return rows if self.scale is None else rows * F.embedding(x, self.scale)
         device = x.device.type
         if self.compute == "bf16" or torch.is_autocast_enabled(device):
             # the matmul in bf16 (autocast's dtype under a mixed mode casts the same way), the result in x's dtype
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.bfloat16
-            w = m.weight.to(dtype)
+            w = dequantized(m.weight, self.scale, dtype)
             b = None if m.bias is None else m.bias.to(dtype)
             y = F.linear(x.to(dtype), w.t() if self.kind == "conv1d" else w, b)
             return y if torch.is_autocast_enabled(device) else y.to(x.dtype)
-        return _UpcastMatmul.apply(x, m.weight, m.bias, self.kind == "conv1d")
+        return _UpcastMatmul.apply(x, m.weight, m.bias, self.kind == "conv1d", self.scale)
 
 
 @dataclass
@@ -115,7 +153,8 @@ def lower_frozen_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16, com
 
     Args:
         model: Any module, after its adapters are in place (only tensors that do not require grad are lowered).
-        dtype: The storage dtype (``torch.bfloat16``).
+        dtype: The storage dtype: ``torch.bfloat16``, or ``torch.int8`` (with a float32 scale per output channel,
+            kept by the module's forward wrapper; tied weights share one).
         compute: ``fp32`` (cast each weight for its own matmul) or ``bf16`` (native bf16 matmuls); see
             :func:`set_base_compute` to change it later.
 
@@ -124,21 +163,30 @@ def lower_frozen_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16, com
     """
     if compute not in COMPUTE_DTYPES:
         raise ValueError(f"lower_frozen_base(compute={compute!r}): one of {', '.join(COMPUTE_DTYPES)}")
+    if dtype not in BASE_DTYPES.values():
+        raise ValueError(f"lower_frozen_base(dtype={dtype}): one of {', '.join(map(str, BASE_DTYPES.values()))}")
     lowered: dict[int, torch.Tensor] = {}
+    scales: dict[int, torch.Tensor] = {}
     before = after = 0
     names = []
     for name, module in model.named_modules():
         kind = _kind(module)
         weight = getattr(module, "weight", None)
-        if kind is None or getattr(module, _ATTR, False) or not isinstance(weight, nn.Parameter) \
-                or weight.requires_grad or not weight.is_floating_point() or weight.dim() < 2:
+        eligible = kind is not None and not getattr(module, _ATTR, False) and isinstance(weight, nn.Parameter) \
+            and not weight.requires_grad and weight.dim() >= 2
+        # floating, or a tied weight an earlier module of this call quantized (an LM head tied to its embedding)
+        if not eligible or not (weight.is_floating_point() or id(weight) in scales):
             continue
         if id(weight) not in lowered and weight.dtype != dtype:
             before += weight.numel() * weight.element_size()
-            weight.data = weight.data.to(dtype)
+            if dtype == torch.int8:
+                weight.data, scales[id(weight)] = quantize_int8(weight.data, 1 if kind == "conv1d" else 0)
+                after += scales[id(weight)].numel() * 4
+            else:
+                weight.data = weight.data.to(dtype)
             after += weight.numel() * weight.element_size()
             lowered[id(weight)] = weight
-        module.forward = _LowPrecisionForward(module, kind, compute)
+        module.forward = _LowPrecisionForward(module, kind, compute, scales.get(id(weight)))
         setattr(module, _ATTR, True)
         names.append(name)
     return LoweredBase(len(lowered), before, after, names)
@@ -161,6 +209,22 @@ def unwrap_frozen_base(model: nn.Module) -> int:
         del module.forward
         delattr(module, _ATTR)
     return len(wrapped)
+
+
+def dequantize_frozen_base(model: nn.Module) -> int:
+    """Undo :func:`lower_frozen_base` on ``model`` in place: int8 weights become their float32 values (``q *
+    scale``), bf16 ones stay bf16 (their float32 values are exact), the forward wrappers go. For a copy of one layer
+    before merging its adapters (the export); returns how many modules were unwrapped."""
+    for module in model.modules():
+        if getattr(module, _ATTR, False) and module.forward.scale is not None and module.weight.dtype == torch.int8:
+            module.weight.data = dequantized(module.weight.data, module.forward.scale, torch.float32)
+    return unwrap_frozen_base(model)
+
+
+def int8_scales(model: nn.Module) -> dict[int, torch.Tensor]:
+    """``id(weight) -> scale`` of ``model``'s int8-held frozen weights (tied weights once)."""
+    return {id(m.weight): m.forward.scale for m in model.modules()
+            if getattr(m, _ATTR, False) and m.forward.scale is not None and m.weight.dtype == torch.int8}
 
 
 def upcast_unlowered(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:

@@ -60,11 +60,13 @@ class PEFTAdapters(Callback):
         export_dir: Folder for the export; ``None`` = ``<trainer.default_root_dir>/merged``.
         export_format: ``auto`` (a ``save_pretrained`` folder ``hf/`` for a Hugging Face model, else ``model.pt``),
             ``hf`` or ``state_dict``: one format, written once (see :func:`~lit_speed.finetune.export.export_merged`).
-        base_dtype: ``bf16`` holds the frozen base's Linear/Embedding weights in bf16 (half their bytes) while
-            adapters, gradients and optimizer state stay float32 and the export is float32
+        base_dtype: ``bf16`` holds the frozen base's Linear/Embedding weights in bf16 (half their bytes), ``int8``
+            in int8 with a float32 scale per output channel (a quarter; the base's values change by at most half a
+            quantization step, and the adapters train against the dequantized base), while adapters, gradients and
+            optimizer state stay float32 and the export is float32
             (:mod:`lit_speed.finetune.frozen_base`); ``None`` keeps it as loaded. With float32-weight precision modes
             only (``32-true``, ``bf16-mixed``, ``16-mixed``), not under ZeRO.
-        base_compute: How the bf16 base computes: ``fp32`` (each weight cast for its own matmul), ``bf16`` (native
+        base_compute: How the bf16/int8 base computes: ``fp32`` (each weight cast for its own matmul), ``bf16`` (native
             bf16 matmuls), or ``auto``: autocast's dtype under a mixed mode, else timed here
             (:func:`~lit_speed.finetune.frozen_base.choose_base_compute`; float32 on CPUs without native bf16).
 

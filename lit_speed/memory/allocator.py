@@ -16,8 +16,10 @@ embedding's gradient) are always mapped and unmapped, and the kernel zero-fills 
 On the 0.5B-dims LoRA step (4 x 512 tokens, float32, 4 of its 24 layers; Zen3, 2026-11-26) that was 1.6-1.8 million
 page faults and 9-10 s of system time per 25 s step. ``mallopt(M_MMAP_MAX, 0)`` serves every block from the heap and
 ``M_TRIM_THRESHOLD`` at its maximum keeps freed heap memory: after two warm-up steps 0 faults, 0.0 s system time,
-18.9 s per step (x0.76), at a higher peak RSS (9.6 GiB against 6.1 GiB there). Use it when speed matters and the
-memory is there; ``scripts/train.py`` refuses it together with :class:`ReturnFreedMemory`.
+18.9 s per step (x0.76), at a higher peak RSS (9.6 GiB against 6.1 GiB there; the whole 0.5B LoRA run: 14.8 GiB
+against the 7.7 GiB predicted without it). It gives the memory back and stops keeping when available memory runs
+short. Use it when speed matters and the memory is there; ``scripts/train.py`` refuses it together with
+:class:`ReturnFreedMemory`.
 
 Example::
 
@@ -40,6 +42,8 @@ M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 KEEP_TRIM_BYTES = 2**31 - 1  # mallopt takes an int: the largest trim threshold it can set (2 GiB of free heap top)
+DEFAULT_MMAP_MAX = 65536  # glibc's defaults, restored when keeping stops
+DEFAULT_TRIM_BYTES = 128 * 1024
 MAX_THRESHOLD_KIB = 32 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 
 
@@ -126,14 +130,36 @@ def keep_freed_memory() -> bool:
                 and libc.mallopt(M_TRIM_THRESHOLD, KEEP_TRIM_BYTES) == 1)
 
 
-class KeepFreedMemory(Callback):
-    """Apply :func:`keep_freed_memory` at ``setup`` (every process of the run; it lasts for the process).
+def stop_keeping_freed_memory() -> bool:
+    """Undo :func:`keep_freed_memory`: glibc's defaults back (large blocks mapped, the heap trimmed) and the free
+    memory the heaps hold handed back now (``malloc_trim(0)``). Returns whether it took effect."""
+    libc = glibc()
+    return bool(libc is not None and libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX) == 1
+                and libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_BYTES) == 1 and libc.malloc_trim(0) in (0, 1))
 
-    Faster steps at a higher peak RSS (module docstring: measured). Refused beside :class:`ReturnFreedMemory`.
+
+class KeepFreedMemory(Callback):
+    """Apply :func:`keep_freed_memory` at ``setup`` (every process of the run; it lasts for the process), while the
+    machine has memory to spare.
+
+    Faster steps at a higher peak RSS (module docstring: measured). The extra is what glibc keeps, not what the run
+    needs, so it is given back when memory runs short: after every backward, training batch and validation batch,
+    if the memory available to new allocations is below ``min_available_fraction`` of the machine's, keeping stops
+    (:func:`stop_keeping_freed_memory`) for the rest of the process, with a warning and ``released_at_step`` in the
+    summary. Refused beside :class:`ReturnFreedMemory`.
+
+    Args:
+        min_available_fraction: Stop keeping when less than this fraction of the machine's memory is available.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, min_available_fraction: float = 0.15) -> None:
+        if isinstance(min_available_fraction, bool) or not isinstance(min_available_fraction, (int, float)) \
+                or not 0.0 < min_available_fraction < 1.0:
+            raise ValueError(f"KeepFreedMemory(min_available_fraction={min_available_fraction!r}): a fraction of "
+                             "the machine's memory, between 0 and 1. Fix: min_available_fraction=0.15")
+        self.min_available_fraction = float(min_available_fraction)
         self.applied: bool | None = None
+        self.released_at_step: int | None = None
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -143,15 +169,44 @@ class KeepFreedMemory(Callback):
         self.applied = keep_freed_memory()
         if self.applied:
             rank_zero_info("KeepFreedMemory: glibc serves every block from its heaps and keeps what is freed: no "
-                           "page faults for the next step's tensors, a higher peak RSS")
+                           "page faults for the next step's tensors, a higher peak RSS (given back if available "
+                           f"memory falls below {self.min_available_fraction:.0%})")
         else:
             rank_zero_warn(f"KeepFreedMemory: no effect here ({platform.system()}, "
                            f"{platform.libc_ver()[0] or 'no glibc'}): mallopt is glibc's. Fix: drop keep_freed_memory "
                            "from callbacks on this machine")
 
+    def _check(self, trainer: "pl.Trainer") -> None:
+        if not self.applied or self.released_at_step is not None:
+            return
+        import psutil
+
+        memory = psutil.virtual_memory()
+        if memory.available >= self.min_available_fraction * memory.total:
+            return
+        stop_keeping_freed_memory()
+        self.released_at_step = trainer.global_step
+        rank_zero_warn(f"KeepFreedMemory: {memory.available / 2**30:.1f} GiB of {memory.total / 2**30:.1f} GiB "
+                       f"available (< {self.min_available_fraction:.0%}) at step {trainer.global_step}: freed memory "
+                       "handed back and no longer kept (glibc's defaults) for the rest of the run")
+
+    @override
+    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._check(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
+        self._check(trainer)
+
+    @override
+    def on_validation_batch_end(self, trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
+        self._check(trainer)
+
     def describe(self) -> dict[str, str]:
         """The start-up table's row."""
-        return {"freed memory": "kept in the process for reuse (glibc: no mmap, no trim)"}
+        return {"freed memory": "kept in the process for reuse (glibc: no mmap, no trim) while more than "
+                                f"{self.min_available_fraction:.0%} of memory is available"}
 
     def final_summary(self) -> dict[str, Any]:
-        return {"applied": self.applied}
+        return {"applied": self.applied, "min_available_fraction": self.min_available_fraction,
+                "released_at_step": self.released_at_step}

@@ -34,12 +34,15 @@ def _needs_transformers(owner: str) -> Any:
 
 
 def _load_dtype(pretrained: str, load_dtype: str | None, owner: str) -> torch.dtype:
-    """float32, or bf16 when asked (``load_dtype=bf16``, set by ``peft.base_dtype=bf16``) and the folder's weights are
-    bf16: read as they are stored, nothing is rounded."""
+    """float32, or bf16 when asked (``load_dtype=bf16``, set by ``peft.base_dtype=bf16``; ``int8`` asks the same: the
+    base is quantized after loading) and the folder's weights are bf16: read as they are stored, nothing is rounded."""
     if load_dtype in (None, "float32", "fp32"):
         return torch.float32
+    if load_dtype == "int8":  # peft.base_dtype=int8: quantized after loading, from the folder's own values
+        load_dtype = "bf16"
     if load_dtype not in ("bf16", "bfloat16"):
-        raise ValueError(f"{owner}: load_dtype={load_dtype!r} is not one of float32, bf16. Fix: model.load_dtype=null "
+        raise ValueError(f"{owner}: load_dtype={load_dtype!r} is not one of float32, bf16, int8. Fix: "
+                         "model.load_dtype=null "
                          "(float32), or peft.base_dtype=bf16 (which reads a bf16 folder in bf16)")
     config = Path(pretrained).expanduser() / "config.json"
     if not config.is_file():

@@ -16,7 +16,7 @@ import glob
 import json
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,82 +25,28 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from lit_speed.run.config_error import ConfigError
-
-
-@dataclass(frozen=True)
-class Levers:
-    """The memory settings of a run that the estimate follows."""
-
-    chunked_loss: bool = False
-    checkpointing: bool = False
-    base_bf16: bool = False      # LoRA/adapters: the frozen base held in bf16
-    low_bit_states: int = 0      # 8 or 4: torchao's AdamW states (full fine-tuning)
-    micro_batch: int = 1
-    lora: bool = False           # adapters (peft=lora) rather than every weight
-
-    def overrides(self, configured: "Levers", callbacks: list[str]) -> list[str]:
-        """The command-line settings that turn ``configured`` into these levers."""
-        out = []
-        extra = [name for flag, name in ((self.chunked_loss and not configured.chunked_loss, "chunked_loss"),
-                                         (self.checkpointing and not configured.checkpointing,
-                                          "activation_checkpointing")) if flag]
-        if extra:
-            out.append(f"'callbacks=[{','.join([*callbacks, *extra])}]'")
-        if self.lora and not configured.lora:
-            out.append("peft=lora")
-        if self.base_bf16 and not configured.base_bf16:
-            out.append("peft.base_dtype=bf16")
-        if self.low_bit_states and not configured.low_bit_states:
-            out.append(f"optimizer=adamw{self.low_bit_states}bit")
-        if self.micro_batch != configured.micro_batch:
-            out.append(f"data.batch_size={self.micro_batch} (with accumulation=fixed for the same effective batch)")
-        return out
-
-
-#: Levers tried, cheapest in speed first (each on top of the ones before): chunked loss (LoRA: faster, full
-#: fine-tuning: the head's gradient per chunk), a bf16-held frozen base / 8-bit optimizer states, checkpointing
-#: (one more forward per step), adapters instead of full fine-tuning (another method), then smaller micro-batches.
-LEVERS = ("chunked_loss", "base_bf16", "low_bit_states", "checkpointing", "lora")
-
-
-def _target(node: Any) -> str:
-    return str(node.get("_target_", "")) if isinstance(node, DictConfig) else ""
-
-
-def _callback_nodes(cfg: DictConfig) -> dict[str, DictConfig]:
-    node = cfg.get("callbacks")
-    if not isinstance(node, DictConfig):
-        return {}
-    if "_target_" in node:
-        return {"callback": node}
-    return {k: v for k, v in node.items() if isinstance(v, DictConfig) and "_target_" in v}
+from lit_speed.run.fit_levers import (  # noqa: F401 - re-exported: the fit check's callers import them here
+    LEVERS,
+    Levers,
+    callback_nodes,
+    configured_levers,
+    lever_sets,
+    target_of,
+)
 
 
 def hf_folder(cfg: DictConfig) -> Path | None:
     """The local model folder of a ``model=hf_causal_lm`` run (None for other models and hub ids)."""
     model = cfg.get("model")
-    if not _target(model).endswith("HFCausalLM"):
+    if not target_of(model).endswith("HFCausalLM"):
         return None
     folder = Path(str(model.get("pretrained"))).expanduser()
     return folder if (folder / "config.json").is_file() else None
 
 
-def configured_levers(cfg: DictConfig) -> Levers:
-    callbacks = [_target(v) for v in _callback_nodes(cfg).values()]
-    peft = cfg.get("peft")
-    lora = _target(peft).endswith("PEFTAdapters") and peft.get("method", "lora") != "freeze"
-    optimizer = _target(cfg.get("optimizer"))
-    bits = 8 if optimizer.endswith("AdamW8bit") else 4 if optimizer.endswith("AdamW4bit") else 0
-    return Levers(chunked_loss=any(t.endswith("ChunkedLMLoss") for t in callbacks)
-                  or cfg.model.get("loss_chunk_mib") is not None,
-                  checkpointing=any(t.endswith("ActivationCheckpointing") for t in callbacks),
-                  base_bf16=lora and peft.get("base_dtype") == "bf16", low_bit_states=bits,
-                  micro_batch=int(cfg.data.batch_size), lora=lora)
-
-
 def _adapter_args(cfg: DictConfig, lora: bool) -> dict[str, Any] | None:
     peft = cfg.get("peft")
-    if _target(peft).endswith("PEFTAdapters"):
+    if target_of(peft).endswith("PEFTAdapters"):
         # only the adapter's own keys: others (export_dir) may point at ${hydra:...}, unset outside a Hydra run
         keys = ("method", "target_modules", "r", "alpha", "dropout", "trainable_modules", "options")
         return {k: OmegaConf.to_container(peft[k], resolve=True) if isinstance(peft[k], (DictConfig, ListConfig))
@@ -119,8 +65,8 @@ def _prepare(hf: nn.Module, adapters: dict[str, Any] | None, levers: Levers) -> 
     holder.model = hf
     if adapters is not None:
         add_adapters(holder, **adapters)
-    if levers.base_bf16 and hf.device.type != "meta":
-        lower_frozen_base(holder, compute="fp32")
+    if (levers.base_bf16 or levers.base_int8) and hf.device.type != "meta":
+        lower_frozen_base(holder, torch.int8 if levers.base_int8 else torch.bfloat16, compute="fp32")
     if levers.chunked_loss and hf.device.type != "meta":
         chunk_hf_loss(hf, check=False)
     if levers.checkpointing and hf.device.type != "meta":
@@ -285,7 +231,7 @@ def _export_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> int:
     from lit_speed.finetune.export import EXPORT_SHARD_BYTES
 
     peft = cfg.get("peft")
-    configured = _target(peft).endswith("PEFTAdapters")
+    configured = target_of(peft).endswith("PEFTAdapters")
     if not levers.lora or (configured and not peft.get("export", True)):
         return 0
     return int(min(4 * (facts.frozen + facts.trainable), EXPORT_SHARD_BYTES + 4 * facts.largest))
@@ -314,45 +260,21 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
         facts = cache.get(("facts", levers.lora)) or run_facts(cfg, folder, levers)
     cache[("facts", levers.lora)] = facts
     process = process_bytes if process_bytes is not None else psutil.Process().memory_info().rss
-    key = ("probe", levers.lora, levers.base_bf16, levers.chunked_loss, levers.checkpointing, levers.low_bit_states)
+    key = ("probe", levers.lora, levers.base_bf16, levers.base_int8, levers.chunked_loss, levers.checkpointing,
+           levers.low_bit_states)
     if key not in cache:
         cache[key] = _probe(cfg, facts, levers)
     probe, step_temp, state_bytes = cache[key]
     weight_bytes = 2 if spec(facts.precision).module_dtype is not None else 4
     micro_scale = levers.micro_batch / max(configured.micro_batch, 1)
     return predict_peak_rss(
-        process=process, frozen_params=facts.frozen, frozen_bytes=2 if levers.base_bf16 else weight_bytes,
+        process=process, frozen_params=facts.frozen, frozen_bytes=1 if levers.base_int8 else 2 if levers.base_bf16 else weight_bytes,
         trainable_params=facts.trainable, trainable_bytes=4, state_bytes_per_param=state_bytes,
         step_temp_per_param=step_temp, probe=probe, layers=facts.layers, vocab=facts.vocab,
         tokens=int(facts.tokens * micro_scale), load_bytes=load_peak_bytes(
-            facts.file_bytes, facts.frozen + facts.trainable, 2 if levers.base_bf16 and facts.file_dtype_bytes == 2
+            facts.file_bytes, facts.frozen + facts.trainable, 2 if (levers.base_bf16 or levers.base_int8)
+            and facts.file_dtype_bytes == 2
             else 4, facts.file_dtype_bytes), export_bytes=_export_bytes(cfg, facts, levers))
-
-
-def lever_sets(configured: Levers, full_fine_tuning: bool) -> list[Levers]:
-    """The configured levers, then each of :data:`LEVERS` added in turn (those that apply), then halved
-    micro-batches with all of them."""
-    out = [configured]
-    current = configured
-    for name in LEVERS:
-        if name == "base_bf16" and not current.lora:
-            continue
-        if name == "low_bit_states" and current.lora:
-            continue
-        if name == "lora" and not full_fine_tuning:
-            continue
-        value = 8 if name == "low_bit_states" else True
-        if getattr(current, name) == value:
-            continue
-        current = replace(current, **{name: value})
-        if name == "lora":
-            current = replace(current, low_bit_states=0, base_bf16=True)
-        out.append(current)
-    micro = current.micro_batch
-    while micro > 1:
-        micro //= 2
-        out.append(replace(current, micro_batch=micro))
-    return out
 
 
 def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> None:
@@ -380,7 +302,7 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> No
         return
     if estimate.peak <= budget:
         return
-    callbacks = list(_callback_nodes(cfg))
+    callbacks = list(callback_nodes(cfg))
     for levers in lever_sets(configured, not configured.lora)[1:]:
         other = estimate_run(cfg, levers, process, cache=cache)
         if other.peak <= budget:

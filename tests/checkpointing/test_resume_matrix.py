@@ -51,6 +51,7 @@ MID_WINDOW = {"fixed": 14, "ramp": 9, "preset": 7}
 KILL_STEP = {"none": 13, "fixed": 4, "ramp": 7, "preset": 7}
 # options that are a key or a callback rather than a group option (issue 32's memory levers): name -> overrides
 LEVERS = {"peft=lora peft.base_dtype=bf16": DIGITS + ["peft=lora", "peft.base_dtype=bf16"],
+          "peft=lora peft.base_dtype=int8": DIGITS + ["peft=lora", "peft.base_dtype=int8"],
           "callbacks+=keep_freed_memory": [*DIGITS, "callbacks=[model_checkpoint,fault_tolerance,keep_freed_memory]"],
           "experiment=charlm_cpu callbacks+=chunked_loss": [
               "experiment=charlm_cpu", *[a for a in PRESET if not a.startswith("callbacks=")],

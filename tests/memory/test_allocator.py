@@ -74,3 +74,51 @@ def test_keeping_and_returning_freed_memory_in_one_trainer_is_refused_naming_bot
                                          r"ReturnFreedMemory and KeepFreedMemory are both in the Trainer's callbacks"):
         callbacks[0].setup(trainer, None, "fit")
     assert callbacks[0].applied is None  # refused before mallopt
+
+
+def test_keeping_stops_and_hands_memory_back_when_the_machine_runs_short(monkeypatch):
+    # the decision, against a recording stand-in for glibc (the real effect on page faults: the test above)
+    import collections
+
+    from lightning.pytorch import Trainer
+
+    from lit_speed.memory import allocator
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, option, value):
+            calls.append(("mallopt", option, value))
+            return 1
+
+        def malloc_trim(self, pad):
+            calls.append(("malloc_trim", pad))
+            return 1
+
+    monkeypatch.setattr(allocator, "glibc", lambda: Libc())
+    memory = collections.namedtuple("Memory", "available total")
+    free = {"gib": 10}
+    monkeypatch.setattr("psutil.virtual_memory", lambda: memory(free["gib"] * 2**30, 24 * 2**30))
+    callback = KeepFreedMemory(min_available_fraction=0.15)
+    trainer = Trainer(callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    callback.setup(trainer, None, "fit")
+    assert callback.applied and calls == [("mallopt", allocator.M_MMAP_MAX, 0),
+                                          ("mallopt", allocator.M_TRIM_THRESHOLD, allocator.KEEP_TRIM_BYTES)]
+    callback.on_train_batch_end(trainer, None, None, None, 0)  # 10 of 24 GiB available: keep
+    assert callback.released_at_step is None and len(calls) == 2
+    free["gib"] = 3  # 12.5% < 15%
+    with pytest.warns(UserWarning, match=r"KeepFreedMemory: 3\.0 GiB of 24\.0 GiB available \(< 15%\) at step 0: "
+                                         r"freed memory handed back"):
+        callback.on_after_backward(trainer, None)
+    assert callback.released_at_step == 0
+    assert calls[2:] == [("mallopt", allocator.M_MMAP_MAX, allocator.DEFAULT_MMAP_MAX),
+                         ("mallopt", allocator.M_TRIM_THRESHOLD, allocator.DEFAULT_TRIM_BYTES), ("malloc_trim", 0)]
+    callback.on_validation_batch_end(trainer, None, None, None, 0)  # once: no second release
+    assert len(calls) == 5 and callback.final_summary()["released_at_step"] == 0
+
+
+@pytest.mark.parametrize("bad", [0, 1, 1.5, True, "0.2"])
+def test_a_bad_keep_threshold_is_refused_naming_the_fix(bad):
+    with pytest.raises(ValueError, match=r"KeepFreedMemory\(min_available_fraction=.*\): a fraction .*Fix: "
+                                         r"min_available_fraction=0\.15"):
+        KeepFreedMemory(min_available_fraction=bad)

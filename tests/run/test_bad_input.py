@@ -325,6 +325,9 @@ def test_fine_tuning_options_are_refused_before_training_naming_the_setting(make
     (["callbacks=[return_freed_memory]", "callbacks.return_freed_memory.threshold_kib=0"],
      r"^callbacks\.return_freed_memory\.threshold_kib=0: ReturnFreedMemory\(threshold_kib=0\): an int in 1\.\.32768 "
      r".*Fix: threshold_kib=256$"),
+    (["callbacks=[keep_freed_memory]", "callbacks.keep_freed_memory.min_available_fraction=0"],
+     r"^callbacks\.keep_freed_memory\.min_available_fraction=0: KeepFreedMemory\(min_available_fraction=0\): a "
+     r"fraction .*Fix: min_available_fraction=0\.15$"),
     (["callbacks=[default,keep_freed_memory,return_freed_memory]"],
      r"^callbacks: keep_freed_memory and return_freed_memory together: one keeps freed memory in the process for "
      r"speed, the other returns it to the system for memory\. Fix: keep one \(callbacks=\[default,keep_freed_memory\] "
@@ -338,6 +341,10 @@ def test_fine_tuning_options_are_refused_before_training_naming_the_setting(make
      r"^peft\.base_dtype=bf16: PEFTAdapters\(base_dtype=bf16\): precision=bf16-true casts the whole module, adapters "
      r"included, to bf16 .*Fix: precision=32-true or bf16-mixed"),
     (["peft=lora", "peft.base_dtype=bf16", "precision=bf16-master"], r"precision=bf16-master casts the whole module"),
+    (["peft=lora", "peft.base_dtype=int8", "precision=bf16-true"],
+     r"^peft\.base_dtype=int8: PEFTAdapters\(base_dtype=int8\): precision=bf16-true casts the whole module"),
+    (["peft=lora", "peft.base_dtype=int8", "strategy=zero2"], r"^peft\.base_dtype=int8: .*DeepSpeed ZeRO casts and "
+                                                              r"partitions .*Fix: strategy=auto or ddp"),
     (["peft=lora", "peft.base_dtype=bf16", "precision=auto"], r"^peft\.base_dtype=bf16: .*precision=auto may choose "
                                                               r"bf16-master"),
     (["peft=lora", "peft.base_dtype=bf16", "strategy=zero2"], r"^peft\.base_dtype=bf16: .*DeepSpeed ZeRO casts and "

@@ -71,7 +71,7 @@ CASES = {
                                     r".*config\.json$"),
     # 4. the dtype a folder is read in (peft.base_dtype=bf16 sets it): refused before from_pretrained runs
     "load_dtype_not_a_dtype": ("qwen2", ["model.load_dtype=fp16", "data.block_size=32"],
-                               r"HFCausalLM\(pretrained=.*\): load_dtype='fp16' is not one of float32, bf16\. Fix: "
+                               r"HFCausalLM\(pretrained=.*\): load_dtype='fp16' is not one of float32, bf16, int8\. Fix: "
                                r"model\.load_dtype=null \(float32\), or peft\.base_dtype=bf16"),
 }
 

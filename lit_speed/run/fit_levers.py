@@ -1,0 +1,104 @@
+"""The memory levers a Hugging Face fine-tune can pull, as the fit check and ``scripts/plan.py`` see them: what a
+config has on (:func:`configured_levers`), the sets tried in order of what they cost in speed (:func:`lever_sets`),
+and the overrides that turn one into another (:meth:`Levers.overrides`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from omegaconf import DictConfig
+
+
+@dataclass(frozen=True)
+class Levers:
+    """The memory settings of a run that the estimate follows."""
+
+    chunked_loss: bool = False
+    checkpointing: bool = False
+    base_bf16: bool = False      # LoRA/adapters: the frozen base held in bf16
+    base_int8: bool = False      # ... or in int8 (+ a float32 scale per output row)
+    low_bit_states: int = 0      # 8 or 4: torchao's AdamW states (full fine-tuning)
+    micro_batch: int = 1
+    lora: bool = False           # adapters (peft=lora) rather than every weight
+
+    def overrides(self, configured: "Levers", callbacks: list[str]) -> list[str]:
+        """The command-line settings that turn ``configured`` into these levers."""
+        out = []
+        extra = [name for flag, name in ((self.chunked_loss and not configured.chunked_loss, "chunked_loss"),
+                                         (self.checkpointing and not configured.checkpointing,
+                                          "activation_checkpointing")) if flag]
+        if extra:
+            out.append(f"'callbacks=[{','.join([*callbacks, *extra])}]'")
+        if self.lora and not configured.lora:
+            out.append("peft=lora")
+        if self.base_bf16 and not configured.base_bf16:
+            out.append("peft.base_dtype=bf16")
+        if self.base_int8 and not configured.base_int8:
+            out.append("peft.base_dtype=int8")
+        if self.low_bit_states and not configured.low_bit_states:
+            out.append(f"optimizer=adamw{self.low_bit_states}bit")
+        if self.micro_batch != configured.micro_batch:
+            out.append(f"data.batch_size={self.micro_batch} (with accumulation=fixed for the same effective batch)")
+        return out
+
+
+#: Levers tried, cheapest in speed first (each on top of the ones before): chunked loss (LoRA: faster, full
+#: fine-tuning: the head's gradient per chunk), a bf16-held frozen base / 8-bit optimizer states, checkpointing
+#: (one more forward per step), an int8-held base instead of bf16 (it rounds the base's values), adapters instead
+#: of full fine-tuning (another method), then smaller micro-batches.
+LEVERS = ("chunked_loss", "base_bf16", "low_bit_states", "checkpointing", "base_int8", "lora")
+
+
+def target_of(node: Any) -> str:
+    return str(node.get("_target_", "")) if isinstance(node, DictConfig) else ""
+
+
+def callback_nodes(cfg: DictConfig) -> dict[str, DictConfig]:
+    node = cfg.get("callbacks")
+    if not isinstance(node, DictConfig):
+        return {}
+    if "_target_" in node:
+        return {"callback": node}
+    return {k: v for k, v in node.items() if isinstance(v, DictConfig) and "_target_" in v}
+
+
+def configured_levers(cfg: DictConfig) -> Levers:
+    callbacks = [target_of(v) for v in callback_nodes(cfg).values()]
+    peft = cfg.get("peft")
+    lora = target_of(peft).endswith("PEFTAdapters") and peft.get("method", "lora") != "freeze"
+    optimizer = target_of(cfg.get("optimizer"))
+    bits = 8 if optimizer.endswith("AdamW8bit") else 4 if optimizer.endswith("AdamW4bit") else 0
+    return Levers(chunked_loss=any(t.endswith("ChunkedLMLoss") for t in callbacks)
+                  or cfg.model.get("loss_chunk_mib") is not None,
+                  checkpointing=any(t.endswith("ActivationCheckpointing") for t in callbacks),
+                  base_bf16=lora and peft.get("base_dtype") == "bf16",
+                  base_int8=lora and peft.get("base_dtype") == "int8", low_bit_states=bits,
+                  micro_batch=int(cfg.data.batch_size), lora=lora)
+
+
+def lever_sets(configured: Levers, full_fine_tuning: bool) -> list[Levers]:
+    """The configured levers, then each of :data:`LEVERS` added in turn (those that apply), then halved
+    micro-batches with all of them."""
+    out = [configured]
+    current = configured
+    for name in LEVERS:
+        if name in ("base_bf16", "base_int8") and not current.lora or name == "base_bf16" and current.base_int8:
+            continue
+        if name == "low_bit_states" and current.lora:
+            continue
+        if name == "lora" and not full_fine_tuning:
+            continue
+        value = 8 if name == "low_bit_states" else True
+        if getattr(current, name) == value:
+            continue
+        current = replace(current, **{name: value})
+        if name == "base_int8":
+            current = replace(current, base_bf16=False)
+        if name == "lora":
+            current = replace(current, low_bit_states=0, base_bf16=True)
+        out.append(current)
+    micro = current.micro_batch
+    while micro > 1:
+        micro //= 2
+        out.append(replace(current, micro_batch=micro))
+    return out
