@@ -6,7 +6,8 @@ The functional core of ``PEFTAdapters(base_dtype="bf16" | "int8")``; usable with
     lowered = lower_frozen_base(model, compute="fp32")     # frozen Linear/Embedding weights now bf16: half the bytes
     lowered = lower_frozen_base(model, torch.int8)         # or int8 + a float32 scale per output row: a quarter
 
-**int8** is symmetric absmax quantization per output channel (a Linear's row, an Embedding's row - the same rows
+**int8** (a module's ``held_weight_scale`` attribute holds its scales: code that reads ``.weight`` itself, as the
+chunked LM loss does, multiplies by it) is symmetric absmax quantization per output channel (a Linear's row, an Embedding's row - the same rows
 when an LM head is tied to its embedding -, a GPT-2 ``Conv1D``'s column): ``w ~ q * scale``, ``q`` in -127..127,
 the scheme of torchao's int8 weight-only config. Each matmul dequantizes its own layer's weight to the compute
 dtype (as the bf16 path casts it) and backward does so again from the int8 weight, so the same autograd function
@@ -187,6 +188,8 @@ def lower_frozen_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16, com
             after += weight.numel() * weight.element_size()
             lowered[id(weight)] = weight
         module.forward = _LowPrecisionForward(module, kind, compute, scales.get(id(weight)))
+        if id(weight) in scales:  # the contract for code that reads .weight itself (the chunked LM loss)
+            module.held_weight_scale = scales[id(weight)]
         setattr(module, _ATTR, True)
         names.append(name)
     return LoweredBase(len(lowered), before, after, names)
@@ -208,6 +211,8 @@ def unwrap_frozen_base(model: nn.Module) -> int:
     for module in wrapped:
         del module.forward
         delattr(module, _ATTR)
+        if hasattr(module, "held_weight_scale"):
+            del module.held_weight_scale
     return len(wrapped)
 
 

@@ -76,8 +76,15 @@ def _vocab_slices(vocab: int, hidden: int, itemsize: int, cast: bool) -> list[tu
     return [(v, min(vocab, v + rows)) for v in range(0, vocab, rows)]
 
 
+def _rows(weight: torch.Tensor, v0: int, v1: int, cdt: torch.dtype, weight_scale: torch.Tensor | None
+          ) -> torch.Tensor:
+    """Rows ``v0:v1`` of the head's weight in ``cdt``: a cast, or an int8-held weight dequantized."""
+    rows = weight[v0:v1].to(cdt)
+    return rows if weight_scale is None else rows * weight_scale[v0:v1].to(cdt)
+
+
 def _head(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt: torch.dtype,
-          slices: list[tuple[int, int]]) -> torch.Tensor:
+          slices: list[tuple[int, int]], weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """float32 logits ``h @ weight.T + bias`` with the matmul in ``cdt``, casting ``weight`` slice by slice."""
     hc = h.to(cdt)
     if len(slices) == 1 and weight.dtype == cdt:
@@ -86,7 +93,7 @@ def _head(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt:
     else:  # vocabulary-major: each cast slice of the weight fills a contiguous block of rows, written in place
         out_t = torch.empty(weight.shape[0], h.shape[0], dtype=cdt, device=h.device)
         for v0, v1 in slices:
-            torch.mm(weight[v0:v1].to(cdt), hc.t(), out=out_t[v0:v1])
+            torch.mm(_rows(weight, v0, v1, cdt, weight_scale), hc.t(), out=out_t[v0:v1])
         out = out_t.t() if cdt == torch.float32 else out_t.t().float()
     if bias is not None:
         out += bias.float()
@@ -95,11 +102,11 @@ def _head(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt:
 
 def _chunk(h: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt: torch.dtype,
            slices: list[tuple[int, int]], scale: float, softcap: float | None, grad_scale: float | None,
-           grad_weight: torch.Tensor | None, want: tuple[bool, bool, bool]
+           grad_weight: torch.Tensor | None, want: tuple[bool, bool, bool], weight_scale: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One chunk: the summed loss; with ``grad_scale``, the gradients ``want`` asks for: ``grad_h`` and the bias's
     (float32) returned, the weight's added into ``grad_weight`` (float32) in place."""
-    logits = _head(h, weight, bias, cdt, slices)
+    logits = _head(h, weight, bias, cdt, slices, weight_scale)
     if scale != 1.0:
         logits.mul_(scale)
     deriv = None
@@ -128,7 +135,7 @@ def _chunk(h: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, bias: torch
     elif want[0]:
         grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         for v0, v1 in slices:
-            grad_h += gc[:, v0:v1] @ weight[v0:v1].to(cdt)
+            grad_h += gc[:, v0:v1] @ _rows(weight, v0, v1, cdt, weight_scale)
     if grad_weight is not None:
         hc = h.to(cdt)
         if cdt == torch.float32:
@@ -161,7 +168,7 @@ def _run(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     for start in range(0, count, step):
         rows = chosen[start:start + step]
         part, gh, gb = _chunk(h[rows], t[rows], weight, bias, cdt, slices, opts["scale"], opts["softcap"],
-                              grad_scale, grad_w, grads)
+                              grad_scale, grad_w, grads, opts.get("weight_scale"))
         loss += part
         if grad_h is not None and gh is not None:
             grad_h.index_add_(0, rows, gh)
@@ -217,7 +224,8 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                     bias: torch.Tensor | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_MIB * 2**20,
                     ignore_index: int = -100, reduction: str = "mean",
                     num_items_in_batch: int | float | torch.Tensor | None = None, logit_scale: float = 1.0,
-                    softcap: float | None = None, grads_in_forward: bool = True) -> torch.Tensor:
+                    softcap: float | None = None, grads_in_forward: bool = True,
+                    weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``targets``, without the whole logits tensor.
 
     Equal to ``F.cross_entropy((hidden @ weight.T + bias).float().flatten(0, -2), targets.flatten(),
@@ -238,6 +246,8 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         softcap: ``cap * tanh(logits / cap)`` before the softmax (Gemma 2's ``final_logit_softcapping``).
         grads_in_forward: Compute the gradients in the forward pass (3 head matmuls in all); ``False`` recomputes
             the logits in backward (4).
+        weight_scale: ``[vocab_size, 1]`` float32 scales of an int8-held frozen ``weight`` (the head's
+            ``held_weight_scale``, :mod:`lit_speed.finetune.frozen_base`): each slice is dequantized, ``q * scale``.
 
     Returns:
         The float32 scalar loss (NaN for a mean over no token, as ``F.cross_entropy``).
@@ -259,7 +269,10 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     opts = {"chunk_bytes": chunk_bytes, "ignore_index": ignore_index, "reduction": reduction,
             "num_items_in_batch": None if num_items_in_batch is None else float(num_items_in_batch),
             "scale": float(logit_scale), "softcap": None if softcap is None else float(softcap),
-            "compute": compute_dtype(hidden)}
+            "compute": compute_dtype(hidden), "weight_scale": weight_scale}
+    if weight.dtype == torch.int8 and weight_scale is None:
+        raise ValueError("chunked_lm_loss: an int8 head weight needs its weight_scale (the module's "
+                         "held_weight_scale): without it the logits would be the raw int8 steps")
     tracked = [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
     if not (torch.is_grad_enabled() and tracked):  # evaluation: the loss only, no graph
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):

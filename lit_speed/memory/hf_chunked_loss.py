@@ -142,7 +142,9 @@ class _ChunkedLossForward:
             targets = F.pad(labels, (0, 1), value=ignore)[..., 1:]
         loss = chunked_lm_loss(outputs[0], self.spec.head.weight, targets, self.spec.head.bias,
                                chunk_bytes=self.chunk_bytes, ignore_index=ignore,
-                               num_items_in_batch=loss_args.get("num_items_in_batch"), **self.spec.loss_options())
+                               num_items_in_batch=loss_args.get("num_items_in_batch"),
+                               weight_scale=getattr(self.spec.head, "held_weight_scale", None),
+                               **self.spec.loss_options())
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         result = CausalLMOutputWithPast(loss=loss, logits=None, cache=getattr(outputs, "cache", None),

@@ -146,3 +146,34 @@ def test_int8_and_bf16_are_the_base_dtypes_a_bad_one_is_refused_naming_them():
     with pytest.raises(ValueError, match=r"lower_frozen_base\(dtype=torch.float16\): one of torch.bfloat16, "
                                          r"torch.int8"):
         lower_frozen_base(model, torch.float16)
+
+
+def test_the_chunked_loss_over_an_int8_tied_head_equals_the_unchunked_loss(tmp_path):
+    # Qwen2 ties its LM head to the embedding: the chunked loss reads head.weight itself, so it must dequantize it
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from lit_speed.finetune.adapters import add_adapters
+    from lit_speed.memory.chunked_cross_entropy import chunked_lm_loss
+    from lit_speed.memory.hf_chunked_loss import chunk_hf_loss
+    from tests.helpers.tiny_hf import save_tiny_causal_lm
+
+    folder = save_tiny_causal_lm(tmp_path / "tiny_qwen2", "qwen2", seed=0, tokenizer=False)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(folder)
+    add_adapters(hf, "lora", ["all-linear"], r=4, options={"init_lora_weights": False})
+    lower_frozen_base(hf, torch.int8)
+    head = hf.get_output_embeddings()
+    assert head.weight.dtype == torch.int8 and head.held_weight_scale is hf.get_input_embeddings().held_weight_scale
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    trainable = [p for p in hf.parameters() if p.requires_grad]
+    plain = hf(input_ids=ids, labels=ids).loss
+    plain_grads = torch.autograd.grad(plain, trainable)
+    chunk_hf_loss(hf, chunk_bytes=4096)
+    chunked = hf(input_ids=ids, labels=ids).loss
+    chunked_grads = torch.autograd.grad(chunked, trainable)
+    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-5)
+    for a, b in zip(chunked_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match=r"an int8 head weight needs its weight_scale"):
+        chunked_lm_loss(torch.randn(3, head.weight.shape[1]), head.weight, torch.zeros(3, dtype=torch.long))
