@@ -143,7 +143,8 @@ class GPTModule(NextTokenSteps, pl.LightningModule):
 
     def head_inputs(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, Any]]:
         head = self.model.lm_head
-        return self.model.hidden(idx), head.weight, head.bias, {}
+        scale = getattr(head, "held_weight_scale", None)  # an int8-held head (peft.base_dtype=int8)
+        return self.model.hidden(idx), head.weight, head.bias, {} if scale is None else {"weight_scale": scale}
 
     @classmethod
     def input_limits(cls, config: Mapping[str, Any]) -> TokenLimits:

@@ -133,7 +133,9 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
         if spec is None or spec.head is not self.model.get_output_embeddings():  # e.g. adapters put on the head
             spec = self._lm_head = lit_speed.hf_lm_head(self.model, owner=f"{type(self).__name__}(loss_chunk_mib=...)")
         hidden = spec.decoder(input_ids=idx, use_cache=False)[0]
-        return hidden, spec.head.weight, spec.head.bias, spec.loss_options()
+        scale = getattr(spec.head, "held_weight_scale", None)  # an int8-held head (peft.base_dtype=int8)
+        return hidden, spec.head.weight, spec.head.bias, {**spec.loss_options(), **({} if scale is None else
+                                                                                    {"weight_scale": scale})}
 
     @classmethod
     def input_limits(cls, config: Mapping[str, Any]) -> TokenLimits | None:

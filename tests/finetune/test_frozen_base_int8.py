@@ -177,3 +177,23 @@ def test_the_chunked_loss_over_an_int8_tied_head_equals_the_unchunked_loss(tmp_p
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match=r"an int8 head weight needs its weight_scale"):
         chunked_lm_loss(torch.randn(3, head.weight.shape[1]), head.weight, torch.zeros(3, dtype=torch.long))
+
+
+def test_the_models_own_chunked_loss_over_an_int8_head_equals_their_plain_loss(tmp_path):
+    # GPT (tied wte/lm_head) and HFCausalLM hand the head's weight to chunked_lm_loss themselves (use_chunked_loss)
+    from lit_speed.models.hf_causal_lm import HFCausalLM
+    from tests.helpers.tiny_hf import save_tiny_causal_lm
+
+    gpt = _lora_gpt()
+    lower_frozen_base(gpt, torch.int8)
+    folder = save_tiny_causal_lm(tmp_path / "tiny_qwen2", "qwen2", seed=0, tokenizer=False)
+    hf = HFCausalLM(str(folder))
+    PEFTAdapters(r=4, base_dtype="int8", export=False, options={"init_lora_weights": False}).prepare_model(hf)
+    for model, vocab in ((gpt, 97), (hf, 300)):
+        x = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(2))
+        batch = (x, torch.roll(x, -1, 1))
+        plain = model._loss(batch)
+        model.use_chunked_loss(4096)
+        chunked = model._loss(batch)
+        model.use_chunked_loss(None)
+        torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-5)
