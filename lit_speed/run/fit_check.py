@@ -274,7 +274,10 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
         tokens=int(facts.tokens * micro_scale), load_bytes=load_peak_bytes(
             facts.file_bytes, facts.frozen + facts.trainable, 2 if (levers.base_bf16 or levers.base_int8)
             and facts.file_dtype_bytes == 2
-            else 4, facts.file_dtype_bytes), export_bytes=_export_bytes(cfg, facts, levers))
+            else 4, facts.file_dtype_bytes)
+        # int8: the base is quantized after it is read, so its int8 copy adds to what loading holds (1B-dims folder,
+        # Z3: 2.49 GB of the folder's file pages + 3.0 GB anonymous at the peak, while quantizing)
+        + (facts.frozen if levers.base_int8 else 0), export_bytes=_export_bytes(cfg, facts, levers))
 
 
 def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> None:
