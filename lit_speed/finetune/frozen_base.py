@@ -87,7 +87,7 @@ def dequantized(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.d
     channel)."""
     if scale is None:
         return weight.to(dtype)
-    return (weight.to(torch.float32) * scale).to(dtype) if dtype != torch.float32 else weight.to(dtype) * scale
+    return (weight.to(torch.float32) * scale).to(dtype)  # the product in float32, then the compute dtype
 
 
 def quantize_int8(weight: torch.Tensor, channel_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

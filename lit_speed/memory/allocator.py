@@ -62,6 +62,11 @@ def _check_threshold(threshold_kib: Any) -> None:
                          "(glibc's range). Fix: threshold_kib=256")
 
 
+def _warn_no_glibc(owner: str, key: str) -> None:
+    rank_zero_warn(f"{owner}: no effect here ({platform.system()}, {platform.libc_ver()[0] or 'no glibc'}): mallopt "
+                   f"is glibc's. Fix: drop {key} from callbacks on this machine")
+
+
 def return_freed_memory(threshold_kib: int = 256) -> bool:
     """Pin glibc's mmap threshold at ``threshold_kib``: allocations above it are mapped and unmapped on free.
 
@@ -98,9 +103,7 @@ class ReturnFreedMemory(Callback):
             rank_zero_info(f"ReturnFreedMemory: glibc's mmap threshold pinned at {self.threshold_kib} KiB: freed "
                            "tensors go back to the system")
         else:
-            rank_zero_warn(f"ReturnFreedMemory: no effect here ({platform.system()}, "
-                           f"{platform.libc_ver()[0] or 'no glibc'}): mallopt is glibc's. Fix: drop return_freed_memory "
-                           "from callbacks on this machine")
+            _warn_no_glibc("ReturnFreedMemory", "return_freed_memory")
 
     def describe(self) -> dict[str, str]:
         """The start-up table's row."""
@@ -172,9 +175,7 @@ class KeepFreedMemory(Callback):
                            "page faults for the next step's tensors, a higher peak RSS (given back if available "
                            f"memory falls below {self.min_available_fraction:.0%})")
         else:
-            rank_zero_warn(f"KeepFreedMemory: no effect here ({platform.system()}, "
-                           f"{platform.libc_ver()[0] or 'no glibc'}): mallopt is glibc's. Fix: drop keep_freed_memory "
-                           "from callbacks on this machine")
+            _warn_no_glibc("KeepFreedMemory", "keep_freed_memory")
 
     def _check(self, trainer: "pl.Trainer") -> None:
         if not self.applied or self.released_at_step is not None:
