@@ -121,6 +121,12 @@ def _refuse_both(trainer: "pl.Trainer", this: Callback, other: type) -> None:
                          "callbacks=[default,return_freed_memory] for memory)")
 
 
+def trim_heap() -> bool:
+    """Hand the free memory glibc's heaps hold back to the OS now (``malloc_trim(0)``), once; False off glibc."""
+    libc = glibc()
+    return bool(libc is not None and libc.malloc_trim(0) in (0, 1))
+
+
 def keep_freed_memory() -> bool:
     """Serve every allocation from glibc's heaps (``M_MMAP_MAX=0``) and never trim them (``M_TRIM_THRESHOLD``
     at its maximum): freed tensors stay in the process and the next step reuses them without page faults.

@@ -247,6 +247,7 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
     probe (the step's tensors are linear in tokens), which is what makes ``scripts/plan.py`` one probe per row kind."""
     import psutil
 
+    from lit_speed.memory.allocator import trim_heap
     from lit_speed.memory.rss_estimate import load_peak_bytes, predict_peak_rss
     from lit_speed.precision.modes import spec
 
@@ -264,6 +265,7 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
            levers.low_bit_states)
     if key not in cache:
         cache[key] = _probe(cfg, facts, levers)
+        trim_heap()  # what the probe's copies freed stays in glibc's heaps otherwise (50M Qwen2, Z3: 47-90 MiB)
     probe, step_temp, state_bytes = cache[key]
     weight_bytes = 2 if spec(facts.precision).module_dtype is not None else 4
     micro_scale = levers.micro_batch / max(configured.micro_batch, 1)
