@@ -144,7 +144,7 @@ def stop_keeping_freed_memory() -> bool:
     memory the heaps hold handed back now (``malloc_trim(0)``). Returns whether it took effect."""
     libc = glibc()
     return bool(libc is not None and libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX) == 1
-                and libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_BYTES) == 1 and libc.malloc_trim(0) in (0, 1))
+                and libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_BYTES) == 1 and trim_heap())
 
 
 class KeepFreedMemory(Callback):
