@@ -5,8 +5,8 @@
     python scripts/selfcheck.py --gpu --table   # + tokens/s and peak memory table (<= 10 min on one GPU)
 
 Every check runs real training commands (``scripts/train.py``, one fresh process each) and reads
-their ``summary.json``. GPU checks: bf16-mixed and 16-mixed give more tokens/s than 32-true on the
-charlm GPT; the device-stats logger reads NVML (``stats/gpu_util_pct`` in the CSV log); ZeRO-2 with
+their ``summary.json``. GPU checks: bf16-mixed and 16-mixed give more steady tokens/s than 32-true on
+the charlm GPT at the table's size (12 layers, 768 wide: the laptop size is launch-bound on a GPU); the device-stats logger reads NVML (``stats/gpu_util_pct`` in the CSV log); ZeRO-2 with
 optimizer offload trains on CUDA to a finite loss. With ``--gpu`` and no CUDA device, every GPU check is
 listed as not run with the reason, and the exit code is 1 (nothing was verified).
 ``--table`` also measures, in-process on the GPU, tokens/s and peak allocated memory of a 12-layer, 768-wide
@@ -23,16 +23,23 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 CHARLM = ["experiment=charlm_cpu", "trainer.max_steps=60", "trainer.val_check_interval=30",
           "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false"]
+#: The precision checks' size: the --table's GPT (12 layers, 768 wide, ~85M parameters), context 256, micro-batch 8.
+GPU_GPT = ["experiment=charlm_cpu", "model.n_layer=12", "model.n_head=12", "model.n_embd=768", "data.block_size=256",
+           "data.batch_size=8", "trainer.max_steps=150", "trainer.val_check_interval=150", "trainer.limit_val_batches=2",
+           "trainer.enable_progress_bar=false"]
+GPU_GPT_WORDS = "GPT 12L/768d, context 256, micro-batch 8, steady tokens/s"
 MIN_SPEEDUP = 1.05  # a low-precision mode must beat fp32 by more than run-to-run noise to count as faster
 
 
@@ -54,12 +61,24 @@ def exit_code(results: list[Result]) -> int:
     return 0 if ran and all(r.status == "pass" for r in ran) else 1
 
 
+def error_line(stderr: str, returncode: int) -> str:
+    """The line of a failed run's stderr that says what went wrong: the last ``SomeError: ...`` line (Hydra's
+    closing hint to set HYDRA_FULL_ERROR names no cause), else the last non-empty line, else the exit code."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", line)]
+    return (causes or lines or [f"exit {returncode}"])[-1]
+
+
 def train(overrides: list[str], out: Path) -> dict:
-    """Run scripts/train.py in a fresh process; return its summary.json (raise with its stderr on failure)."""
+    """Run scripts/train.py in a fresh process; return its summary.json. On failure, raise with the error's own
+    line and keep the whole stderr in ``<out>/stderr.txt`` (Hydra's full traceback: HYDRA_FULL_ERROR=1)."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *overrides, f"hydra.run.dir={out}"],
-                          cwd=ROOT, capture_output=True, text=True)
+                          cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stderr.txt").write_text(proc.stderr)
+        raise RuntimeError(f"{error_line(proc.stderr, proc.returncode)} (stderr: {out / 'stderr.txt'})")
     return json.loads((out / "summary.json").read_text())
 
 
@@ -89,12 +108,14 @@ def check_cpu_bf16(tmp: Path) -> Result:
 
 
 def _precision_speedup(mode: str, tmp: Path) -> Result:
-    fp32 = train(CHARLM + ["trainer=gpu", "precision=32-true"], tmp / "fp32")
-    low = train(CHARLM + ["trainer=gpu", f"precision={mode}"], tmp / mode)
-    ok, words = speedup_verdict(fp32["tokens_per_sec"], low["tokens_per_sec"])
+    """Steady-state tokens/s of ``mode`` against 32-true at a size where a GPU's arithmetic is the cost (GPU_GPT):
+    the 0.8M laptop GPT is launch-bound on a GPU, where autocast's extra casts make any low precision slower."""
+    fp32 = train(GPU_GPT + ["trainer=gpu", "precision=32-true"], tmp / "fp32")
+    low = train(GPU_GPT + ["trainer=gpu", f"precision={mode}"], tmp / mode)
+    ok, words = speedup_verdict(fp32["steady_tokens_per_sec"], low["steady_tokens_per_sec"])
     finite = math.isfinite(low["final_val"]["val/loss"])
     return Result(f"{mode} faster than 32-true (CUDA)", "pass" if ok and finite else "fail",
-                  words + ("" if finite else "; val/loss is not finite"))
+                  f"{words}; {GPU_GPT_WORDS}" + ("" if finite else "; val/loss is not finite"))
 
 
 def check_bf16_gpu(tmp: Path) -> Result:
@@ -169,6 +190,20 @@ def no_cuda_line() -> str:
             "nothing measured, run it on a machine with an NVIDIA GPU")
 
 
+@contextmanager
+def environment_restored() -> Iterator[None]:
+    """Put ``os.environ`` back as it was on leaving. Lightning's in-process fits set MASTER_ADDR/MASTER_PORT (and
+    DeepSpeed RANK, WORLD_SIZE, ...) for a process group that stays alive; a check's training process inheriting
+    them tries to listen on that same port (EADDRINUSE, seen on an H200 on 2026-11-27)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        os.environ.update(before)
+
+
 def run_table(out_dir: Path, budget_s: float) -> int:
     """Measure the GPU table, run the GPU checks, print both with the verdicts, write JSON + markdown."""
     import time
@@ -179,8 +214,9 @@ def run_table(out_dir: Path, budget_s: float) -> int:
 
     meta = machine()
     print(" | ".join(f"{k}: {v}" for k, v in meta.items()), flush=True)
-    cells = measure_all(plan_cells(), deadline=time.monotonic() + budget_s,
-                        log=lambda line: print(line, flush=True))
+    with environment_restored():  # the in-process ZeRO cells leave MASTER_PORT & co. set for a live process group
+        cells = measure_all(plan_cells(), deadline=time.monotonic() + budget_s,
+                            log=lambda line: print(line, flush=True))
     results = run_checks(gpu=True, cuda_available=True)
     lines = verdicts(cells)
     json_path, md_path = write_report(out_dir, cells, lines, [vars(r) for r in results], meta)

@@ -2,8 +2,10 @@
 
 Each cell is a short in-process Lightning fit of the charlm GPT (12 layers, 12 heads, 768 embd, context 256,
 ~85M parameters) on random tokens (throughput and memory do not depend on the text): ``WARMUP`` steps, then
-``TIMED`` steps timed with the device synchronised at both ends, and ``torch.cuda.max_memory_allocated``
-over the timed steps (weights, gradients and optimizer state included). The table, verdicts and files
+at least ``TIMED`` steps and ``MIN_SECONDS`` of them, timed with the device synchronised at both ends (a window of a
+few steps lasts ~0.1 s on a big GPU, where Python's per-step cost and the clock ramping up from idle swing the
+result by x2), and ``torch.cuda.max_memory_allocated`` over the timed steps (weights, gradients and optimizer
+state included). The table, verdicts and files
 come from :mod:`lit_speed.reporting.gpu_table`. A cell that runs out of memory is recorded as ``oom``;
 once the time budget is spent the remaining cells are recorded as skipped.
 """
@@ -24,44 +26,63 @@ from lit_speed.reporting.gpu_table import Cell
 GPT_SIZE = {"n_layer": 12, "n_head": 12, "n_embd": 768}
 BLOCK = 256
 VOCAB = 97  # lit_speed.data.charlm.VOCAB_SIZE
-WARMUP, TIMED = 3, 10
+WARMUP, TIMED = 5, 10
+MIN_SECONDS = 2.0  # the timed window's least length
+MAX_STEPS = 100_000  # a bound the window's stop comes long before
 
 
 class RandomTokens(Dataset):
     """``(x, y)`` pairs of random token windows, one micro-batch per item."""
 
-    def __init__(self, batches: int, micro_batch: int) -> None:
+    def __init__(self, batches: int, micro_batch: int, length: int | None = None) -> None:
         g = torch.Generator().manual_seed(0)
         self.data = torch.randint(0, VOCAB, (batches, micro_batch, BLOCK + 1), generator=g)
+        self.length = length or batches  # longer than ``batches``: the same batches again (the fit stops on time)
 
     def __len__(self) -> int:
-        return len(self.data)
+        return self.length
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i %= len(self.data)
         return self.data[i, :, :-1], self.data[i, :, 1:]
 
 
 class TimedWindow(Callback):
-    """Synchronised wall time and peak allocated memory over the batches after ``warmup``."""
+    """Synchronised wall time and peak allocated memory over the batches after ``warmup``; stops the fit once the
+    window holds ``min_steps`` steps and ``min_seconds`` (``sync`` waits for the device: CUDA's, or none)."""
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
+    def __init__(self, warmup: int, min_steps: int = TIMED, min_seconds: float = MIN_SECONDS,
+                 sync: Any = None) -> None:
+        self.warmup, self.min_steps, self.min_seconds = warmup, min_steps, min_seconds
+        self.sync = sync or (torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None))
         self.start: float | None = None
         self.seconds = 0.0
+        self.steps = 0
         self.peak = 0
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         if batch_idx == self.warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            self.sync()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             self.start = time.perf_counter()
 
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        steps = batch_idx + 1 - self.warmup
+        if self.start is None or self.steps or steps < self.min_steps:
+            return
+        if time.perf_counter() - self.start >= self.min_seconds:  # unsynchronised look; the sync is the measure
+            self.sync()
+            self.seconds, self.steps = time.perf_counter() - self.start, steps
+            trainer.should_stop = True
+
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        torch.cuda.synchronize()
-        if self.start is not None:
-            self.seconds = time.perf_counter() - self.start
-        self.peak = torch.cuda.max_memory_allocated()
+        if self.start is not None and not self.steps:  # the fit ended (max_steps) before the window was full
+            self.sync()
+            self.seconds, self.steps = time.perf_counter() - self.start, trainer.global_step - self.warmup
+        self.peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
 
 def _strategy(cell: Cell) -> Any:
@@ -94,11 +115,11 @@ def measure_cell(cell: Cell) -> Cell:
     try:
         model = GPTModule(vocab_size=VOCAB, block_size=BLOCK, optimizer=_optimizer(cell), **GPT_SIZE)
         trainer = pl.Trainer(accelerator="cuda", devices=1, strategy=_strategy(cell), precision=precision,
-                             max_steps=WARMUP + TIMED, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                             max_steps=MAX_STEPS, callbacks=callbacks, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                              num_sanity_val_steps=0)
-        trainer.fit(model, DataLoader(RandomTokens(WARMUP + TIMED, cell.micro_batch), batch_size=None))
-        cell.tokens_per_sec = TIMED * cell.micro_batch * BLOCK / window.seconds
+        trainer.fit(model, DataLoader(RandomTokens(16, cell.micro_batch, length=MAX_STEPS), batch_size=None))
+        cell.tokens_per_sec = window.steps * cell.micro_batch * BLOCK / window.seconds
         cell.peak_allocated_bytes = int(window.peak)
         cell.status = "ok"
     except torch.cuda.OutOfMemoryError:
@@ -140,5 +161,5 @@ def machine() -> dict[str, Any]:
     return {"gpu": f"{props.name} ({props.total_memory / GIB:.0f} GiB)", "cuda": torch.version.cuda,
             "torch": torch.__version__, "lightning": lightning.__version__, "deepspeed": deepspeed.__version__,
             "commit": commit or "unknown", "model": f"GPT {GPT_SIZE['n_layer']}L/{GPT_SIZE['n_head']}H/"
-            f"{GPT_SIZE['n_embd']}d, context {BLOCK}", "steps": f"{WARMUP} warm-up + {TIMED} timed",
+            f"{GPT_SIZE['n_embd']}d, context {BLOCK}", "steps": f"{WARMUP} warm-up + >= {TIMED} timed and >= {MIN_SECONDS:g} s",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,50 @@ def test_a_crashing_check_is_a_failed_row(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(selfcheck, "CPU_CHECKS", [check_broken])
     assert selfcheck.run_checks(gpu=False, cuda_available=False) == [
         Result("broken", "fail", "RuntimeError: summary.json missing")]
+
+
+HYDRA_STDERR = """Error executing job with overrides: ['strategy=zero2_offload']
+Traceback (most recent call last):
+  File "scripts/train.py", line 12, in main
+    raise ValueError("optimizer=cpu_adam: ...")
+ValueError: optimizer=cpu_adam needs the CPU Adam build (run it once with DS_BUILD_CPU_ADAM=1)
+
+Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.
+"""
+
+
+def test_a_failed_run_reports_its_error_line_not_hydras_closing_hint() -> None:
+    assert selfcheck.error_line(HYDRA_STDERR, 1) == (
+        "ValueError: optimizer=cpu_adam needs the CPU Adam build (run it once with DS_BUILD_CPU_ADAM=1)")
+    assert selfcheck.error_line("killed\n", 137) == "killed"
+    assert selfcheck.error_line("", -9) == "exit -9"
+
+
+def test_a_failed_training_process_keeps_its_stderr(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError) as raised:
+        selfcheck.train(["no_such_group=1"], tmp_path / "run")
+    assert "Could not override 'no_such_group'" in str(raised.value) or "no_such_group" in str(raised.value)
+    assert "HYDRA_FULL_ERROR" not in str(raised.value).split(" (stderr:")[0]
+    assert "no_such_group" in (tmp_path / "run" / "stderr.txt").read_text()
+
+
+def test_the_table_leaves_no_process_group_variables_to_the_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an in-process fit sets (MASTER_PORT of a live group) is gone before the checks' processes start."""
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")  # the user's own, kept
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with selfcheck.environment_restored():
+        os.environ["MASTER_PORT"] = "57159"
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+    assert "MASTER_PORT" not in os.environ and os.environ["MASTER_ADDR"] == "10.0.0.1"
+
+
+def test_the_gpu_precision_checks_run_the_table_size_gpt(tmp_path: Path) -> None:
+    """The overrides compose into the 12-layer, 768-wide GPT at context 256 and micro-batch 8."""
+    from tests.helpers.repo import compose_config
+
+    cfg = compose_config(selfcheck.GPU_GPT + ["trainer=gpu", "precision=bf16-mixed"], tmp_path)
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (12, 12, 768, 256)
+    assert cfg.data.batch_size == 8 and cfg.trainer.accelerator == "gpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour on a machine without CUDA")
@@ -153,6 +198,38 @@ def test_table_measuring_module_imports_and_feeds_whole_windows() -> None:
     x, y = table.RandomTokens(batches=2, micro_batch=4)[1]
     assert x.shape == y.shape == (4, table.BLOCK) and torch.equal(x[:, 1:], y[:, :-1])
     assert int(x.max()) < table.VOCAB
+
+
+def test_the_timed_window_holds_min_steps_and_min_seconds_then_stops_the_fit() -> None:
+    """The table's timing logic on CPU: a step that sleeps 50 ms, a 0.3 s window after 2 warm-up steps."""
+    import time as time_module
+
+    import lightning.pytorch as pl
+
+    spec_t = importlib.util.spec_from_file_location("selfcheck_table", ROOT / "scripts" / "selfcheck_table.py")
+    table = importlib.util.module_from_spec(spec_t)
+    spec_t.loader.exec_module(table)
+
+    class Sleepy(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            time_module.sleep(0.05)
+            return (self.w - 1).pow(2).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    syncs = []
+    window = table.TimedWindow(2, min_steps=3, min_seconds=0.3, sync=lambda: syncs.append(1))
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1000, callbacks=[window], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Sleepy(), torch.utils.data.DataLoader(table.RandomTokens(4, 1, length=1000), batch_size=None))
+    assert window.seconds >= 0.3 and window.steps >= 3
+    assert trainer.global_step == 2 + window.steps < 30  # stopped by the window, not by max_steps
+    assert len(syncs) == 2  # at the window's start and at its end, not every step
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour on a machine without CUDA")
