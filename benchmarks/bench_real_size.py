@@ -73,9 +73,12 @@ def peer_command(tool: str, model: str, mode: str, flags: str, steps: int, block
 #: lit_speed's levers per row, as Hydra overrides (what a user types). Filled from the components that exist.
 #: Speed rows: freed memory kept for the next step (no page faults), no sanity check before the first step (the
 #: validation step is lit_speed's own; the final validation still runs and is in the time).
-LIT_LORA: list[str] = ["callbacks=[default,chunked_loss,keep_freed_memory]", "trainer.num_sanity_val_steps=0"]
-LIT_FULL: list[str] = ["peft=none", "optimizer=adamw_fused", "callbacks=[default,chunked_loss,keep_freed_memory]",
-                       "trainer.num_sanity_val_steps=0"]
+#: The decoder layers compiled (callbacks=compile, regional: one layer compiled, reused by all), from a cold inductor
+#: cache (each row gets an empty TORCHINDUCTOR_CACHE_DIR: the compile is in launch-to-end, as in a user's first run).
+LIT_LORA_EAGER: list[str] = ["callbacks=[default,chunked_loss,keep_freed_memory]", "trainer.num_sanity_val_steps=0"]
+LIT_LORA: list[str] = ["callbacks=[default,chunked_loss,keep_freed_memory,compile]", "trainer.num_sanity_val_steps=0"]
+LIT_FULL: list[str] = ["peft=none", "optimizer=adamw_fused",
+                       "callbacks=[default,chunked_loss,keep_freed_memory,compile]", "trainer.num_sanity_val_steps=0"]
 LIT_MEMORY_LORA: list[str] = ["peft.base_dtype=bf16",
                                "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
 LIT_MEMORY_LORA_INT8: list[str] = ["peft.base_dtype=int8", *LIT_MEMORY_LORA[1:]]
@@ -92,7 +95,10 @@ SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
         "lora05/trainer": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "speed"),
         # the Trainer with the same allocator setting as lit_speed's keep_freed_memory, from the environment
         "lora05/trainer_keep": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "speed" + KEEP),
+        # the Trainer's own compile flag (torch_compile=True: the whole model through torch.compile)
+        "lora05/trainer_compile": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "compile"),
         "lora05/lightning": ("lora05", "qwen2.5-0.5b", "lora", 8, "lightning", "speed"),
+        "lora05/lit_speed_eager": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA_EAGER),
         "lora05/lit_speed": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA),
         "full05/trainer": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "speed"),
         "full05/lit_speed": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL),
@@ -217,6 +223,7 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
         flags = extra.removesuffix(KEEP)
         cmd = peer_command(kind, model, mode, flags, args.steps, args.block, args.micro, r, args.lr, out)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "HYDRA_FULL_ERROR": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(out / "inductor_cache"),  # cold: a compiling row pays its compile
            **(KEEP_ENV if kind != "lit" and extra.endswith(KEEP) else {})}
     plan = run_plan(cmd, env, out) if kind == "lit" and args.plan else None
     start = time.time()

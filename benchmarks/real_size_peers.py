@@ -6,7 +6,8 @@
 ``trainer``: Hugging Face ``transformers.Trainer`` (+ ``peft``'s ``get_peft_model`` for LoRA), with a set of its
 documented flags: ``default`` (what ``TrainingArguments`` gives), ``speed`` (bf16 autocast where the CPU has native
 bf16 kernels, else float32 - on a CPU without them bf16 matmuls are 50-500x slower -, the fused AdamW), ``memory``
-(``speed`` plus gradient checkpointing, and torchao's 8-bit AdamW for full fine-tuning: ``optim="adamw_torch_8bit"``).
+(``speed`` plus gradient checkpointing, and torchao's 8-bit AdamW for full fine-tuning: ``optim="adamw_torch_8bit"``),
+``compile`` (``speed`` plus ``torch_compile=True``: the whole model through ``torch.compile``, inductor).
 ``lightning``: the same model in a plain LightningModule (``labels=input_ids``, ``torch.optim.AdamW``), the way a
 Lightning user writes it. Both export what a user ships: LoRA merged (``merge_and_unload``) then ``save_pretrained``.
 
@@ -146,8 +147,9 @@ def run_trainer(args: argparse.Namespace, record: dict[str, Any]) -> None:
             if logs and "loss" in logs:
                 record["loss"].append(float(logs["loss"]))
 
-    bf16 = args.flags in ("speed", "memory") and native_bf16()
-    optim = {"default": "adamw_torch", "speed": "adamw_torch_fused", "memory": "adamw_torch_fused"}[args.flags]
+    bf16 = args.flags in ("speed", "memory", "compile") and native_bf16()
+    optim = {"default": "adamw_torch", "speed": "adamw_torch_fused", "memory": "adamw_torch_fused",
+             "compile": "adamw_torch_fused"}[args.flags]
     if args.flags == "memory" and args.mode == "full":
         optim = "adamw_torch_8bit"  # torchao's 8-bit AdamW (TrainingArguments' documented memory option)
     targs = TrainingArguments(
@@ -155,8 +157,9 @@ def run_trainer(args: argparse.Namespace, record: dict[str, Any]) -> None:
         max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, use_cpu=True, bf16=bf16, optim=optim, dataloader_num_workers=0,
-        gradient_checkpointing=args.flags == "memory", seed=42, data_seed=42)
-    record["settings"] = {"bf16": bf16, "optim": optim, "gradient_checkpointing": targs.gradient_checkpointing}
+        gradient_checkpointing=args.flags == "memory", torch_compile=args.flags == "compile", seed=42, data_seed=42)
+    record["settings"] = {"bf16": bf16, "optim": optim, "gradient_checkpointing": targs.gradient_checkpointing,
+                          "torch_compile": targs.torch_compile}
 
     breakdown = Breakdown()
 
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="a model folder (benchmarks/model_folders.py)")
     parser.add_argument("--data-root", required=True, help="a folder of text files")
     parser.add_argument("--mode", choices=["lora", "full"], default="lora")
-    parser.add_argument("--flags", choices=["default", "speed", "memory"], default="speed")
+    parser.add_argument("--flags", choices=["default", "speed", "memory", "compile"], default="speed")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--block", type=int, default=512)
     parser.add_argument("--micro", type=int, default=4)
