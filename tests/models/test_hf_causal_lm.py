@@ -311,3 +311,29 @@ def test_a_bf16_folder_read_in_bf16_for_a_bf16_base_is_the_model_read_in_float32
     assert fingerprints[0] == fingerprints[1]
     # a float32 folder is read in float32 whatever load_dtype says (nothing is rounded on the way in)
     assert not HFCausalLM(str(folder), load_dtype="bf16").loaded_low_precision
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_lora_with_the_decoder_layers_compiled_trains_as_eager_validates_and_exports(make_cfg, tmp_path, hf_folder,
+                                                                                    texts, backend):
+    """callbacks=compile on a Hugging Face model with LoRA and the chunked loss (the real-size speed rows): the same
+    losses as eager, the eval-mode validation and the merged export run through the compiled layers."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.repo import compose_config
+
+    lora = ["peft=lora", "peft.r=4", "peft.target_modules=[q_proj,v_proj,down_proj]"]
+    eager = train(compose_config(_run(hf_folder, texts, *lora, "callbacks=[model_checkpoint,chunked_loss]"),
+                                 tmp_path / "eager"))
+    compiled = train(compose_config(_run(hf_folder, texts, *lora, "callbacks=[model_checkpoint,chunked_loss,compile]",
+                                         f"callbacks.compile.backend={backend}"), tmp_path / "compiled"))
+    assert compiled["components"]["CompileModel"]["compiled_modules"] == 2  # the 2 decoder layers
+    assert compiled["global_step"] == eager["global_step"] == 8
+    tolerance = 1e-6 if backend == "aot_eager" else 1e-4  # inductor fuses, so sums run in another order
+    assert compiled["final_train_loss"] == pytest.approx(eager["final_train_loss"], rel=tolerance)
+    assert compiled["final_metrics"]["val/loss"] == pytest.approx(eager["final_metrics"]["val/loss"], rel=tolerance)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "compiled" / "merged" / "hf")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "eager" / "merged" / "hf")
+    x = torch.randint(0, merged.config.vocab_size, (2, 24))
+    torch.testing.assert_close(merged(input_ids=x).logits, reference(input_ids=x).logits, rtol=tolerance * 10,
+                               atol=tolerance * 10)
