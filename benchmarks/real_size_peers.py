@@ -227,7 +227,7 @@ def run_lightning(args: argparse.Namespace, record: dict[str, Any]) -> None:
     record["settings"] = {"precision": precision}
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, precision=precision, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0)
+                         num_sanity_val_steps=0, gradient_clip_val=1.0)  # the Trainer's max_grad_norm default
     start = time.perf_counter()
     trainer.fit(Plain(model), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     record["phases"]["training"] = time.perf_counter() - start
