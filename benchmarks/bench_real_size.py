@@ -56,7 +56,7 @@ def lit_command(model: str, mode: str, steps: int, block: int, micro: int, r: in
             f"data.root={lightning_source()}", f"data.block_size={block}", f"data.batch_size={micro}",
             f"trainer.max_steps={steps}", "optimizer.lr=" + str(lr), "model.scheduler=null", "logger=none",
             "trainer.enable_progress_bar=false", f"hydra.run.dir={out}",
-            "trainer.gradient_clip_val=1.0",  # transformers.Trainer clips at max_grad_norm=1.0 by default: the same math
+            "trainer.gradient_clip_val=1.0",  # transformers.Trainer clips at max_grad_norm=1.0 by default
             "+callbacks.bench._target_=real_size_recorder.StepRecorder", f"+callbacks.bench.out={out}/steps.json"]
     if mode == "lora":
         base += ["peft=lora", f"peft.target_modules={LORA_TARGETS}", f"peft.r={r}", f"peft.alpha={2 * r}",

@@ -6,8 +6,9 @@
 
 Every check runs real training commands (``scripts/train.py``, one fresh process each) and reads
 their ``summary.json``. GPU checks: bf16-mixed and 16-mixed give more steady tokens/s than 32-true on
-the charlm GPT at the table's size (12 layers, 768 wide: the laptop size is launch-bound on a GPU); the device-stats logger reads NVML (``stats/gpu_util_pct`` in the CSV log); ZeRO-2 with
-optimizer offload trains on CUDA to a finite loss. With ``--gpu`` and no CUDA device, every GPU check is
+the charlm GPT at the table's size (12 layers, 768 wide: the laptop size is launch-bound on a GPU); the
+device-stats logger reads NVML (``stats/gpu_util_pct`` in the CSV log); ZeRO-2 with optimizer offload
+trains on CUDA to a finite loss. With ``--gpu`` and no CUDA device, every GPU check is
 listed as not run with the reason, and the exit code is 1 (nothing was verified).
 ``--table`` also measures, in-process on the GPU, tokens/s and peak allocated memory of a 12-layer, 768-wide
 charlm GPT per precision (32-true, tf32, bf16-mixed, 16-mixed) x micro-batch (1, 2, 4, 8), with activation
@@ -35,7 +36,7 @@ from typing import Callable, Iterator
 ROOT = Path(__file__).resolve().parents[1]
 CHARLM = ["experiment=charlm_cpu", "trainer.max_steps=60", "trainer.val_check_interval=30",
           "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false"]
-#: The precision checks' size: the --table's GPT (12 layers, 768 wide, ~85M parameters), context 256, micro-batch 8.
+#: The precision checks' size: the --table's GPT (selfcheck_table.GPT_SIZE, BLOCK: ~85M parameters), micro-batch 8.
 GPU_GPT = ["experiment=charlm_cpu", "model.n_layer=12", "model.n_head=12", "model.n_embd=768", "data.block_size=256",
            "data.batch_size=8", "trainer.max_steps=150", "trainer.val_check_interval=150", "trainer.limit_val_batches=2",
            "trainer.enable_progress_bar=false"]

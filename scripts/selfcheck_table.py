@@ -5,8 +5,7 @@ Each cell is a short in-process Lightning fit of the charlm GPT (12 layers, 12 h
 at least ``TIMED`` steps and ``MIN_SECONDS`` of them, timed with the device synchronised at both ends (a window of a
 few steps lasts ~0.1 s on a big GPU, where Python's per-step cost and the clock ramping up from idle swing the
 result by x2), and ``torch.cuda.max_memory_allocated`` over the timed steps (weights, gradients and optimizer
-state included). The table, verdicts and files
-come from :mod:`lit_speed.reporting.gpu_table`. A cell that runs out of memory is recorded as ``oom``;
+state included). The table, verdicts and files come from :mod:`lit_speed.reporting.gpu_table`. A cell that runs out of memory is recorded as ``oom``;
 once the time budget is spent the remaining cells are recorded as skipped.
 """
 from __future__ import annotations
@@ -161,5 +160,6 @@ def machine() -> dict[str, Any]:
     return {"gpu": f"{props.name} ({props.total_memory / GIB:.0f} GiB)", "cuda": torch.version.cuda,
             "torch": torch.__version__, "lightning": lightning.__version__, "deepspeed": deepspeed.__version__,
             "commit": commit or "unknown", "model": f"GPT {GPT_SIZE['n_layer']}L/{GPT_SIZE['n_head']}H/"
-            f"{GPT_SIZE['n_embd']}d, context {BLOCK}", "steps": f"{WARMUP} warm-up + >= {TIMED} timed and >= {MIN_SECONDS:g} s",
+            f"{GPT_SIZE['n_embd']}d, context {BLOCK}",
+            "steps": f"{WARMUP} warm-up + >= {TIMED} timed and >= {MIN_SECONDS:g} s",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -18,6 +18,14 @@ spec.loader.exec_module(selfcheck)
 Result = selfcheck.Result
 
 
+def table_module():
+    """scripts/selfcheck_table.py, imported as selfcheck.py imports it."""
+    spec_t = importlib.util.spec_from_file_location("selfcheck_table", ROOT / "scripts" / "selfcheck_table.py")
+    table = importlib.util.module_from_spec(spec_t)
+    spec_t.loader.exec_module(table)
+    return table
+
+
 def test_speedup_verdict_needs_more_than_noise() -> None:
     assert selfcheck.speedup_verdict(1000.0, 1500.0) == (True, "x1.50 tokens/s vs 32-true (pass needs >= x1.05)")
     assert selfcheck.speedup_verdict(1000.0, 1020.0)[0] is False  # 2 % is noise, not a speed-up
@@ -67,7 +75,7 @@ def test_a_failed_run_reports_its_error_line_not_hydras_closing_hint() -> None:
 def test_a_failed_training_process_keeps_its_stderr(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as raised:
         selfcheck.train(["no_such_group=1"], tmp_path / "run")
-    assert "Could not override 'no_such_group'" in str(raised.value) or "no_such_group" in str(raised.value)
+    assert "no_such_group" in str(raised.value)
     assert "HYDRA_FULL_ERROR" not in str(raised.value).split(" (stderr:")[0]
     assert "no_such_group" in (tmp_path / "run" / "stderr.txt").read_text()
 
@@ -89,6 +97,9 @@ def test_the_gpu_precision_checks_run_the_table_size_gpt(tmp_path: Path) -> None
     cfg = compose_config(selfcheck.GPU_GPT + ["trainer=gpu", "precision=bf16-mixed"], tmp_path)
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (12, 12, 768, 256)
     assert cfg.data.batch_size == 8 and cfg.trainer.accelerator == "gpu"
+    table = table_module()  # the same GPT as the --table's cells
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd) == tuple(table.GPT_SIZE.values())
+    assert cfg.model.block_size == table.BLOCK
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour on a machine without CUDA")
@@ -192,9 +203,7 @@ def test_report_is_written_as_json_and_markdown(tmp_path: Path) -> None:
 
 
 def test_table_measuring_module_imports_and_feeds_whole_windows() -> None:
-    spec_t = importlib.util.spec_from_file_location("selfcheck_table", ROOT / "scripts" / "selfcheck_table.py")
-    table = importlib.util.module_from_spec(spec_t)
-    spec_t.loader.exec_module(table)
+    table = table_module()
     x, y = table.RandomTokens(batches=2, micro_batch=4)[1]
     assert x.shape == y.shape == (4, table.BLOCK) and torch.equal(x[:, 1:], y[:, :-1])
     assert int(x.max()) < table.VOCAB
@@ -206,9 +215,7 @@ def test_the_timed_window_holds_min_steps_and_min_seconds_then_stops_the_fit() -
 
     import lightning.pytorch as pl
 
-    spec_t = importlib.util.spec_from_file_location("selfcheck_table", ROOT / "scripts" / "selfcheck_table.py")
-    table = importlib.util.module_from_spec(spec_t)
-    spec_t.loader.exec_module(table)
+    table = table_module()
 
     class Sleepy(pl.LightningModule):
         def __init__(self) -> None:
@@ -224,8 +231,8 @@ def test_the_timed_window_holds_min_steps_and_min_seconds_then_stops_the_fit() -
 
     syncs = []
     window = table.TimedWindow(2, min_steps=3, min_seconds=0.3, sync=lambda: syncs.append(1))
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1000, callbacks=[window], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1000, callbacks=[window], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Sleepy(), torch.utils.data.DataLoader(table.RandomTokens(4, 1, length=1000), batch_size=None))
     assert window.seconds >= 0.3 and window.steps >= 3
     assert trainer.global_step == 2 + window.steps < 30  # stopped by the window, not by max_steps
