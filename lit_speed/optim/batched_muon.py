@@ -7,6 +7,13 @@ two MLP matrices are the same shape once oriented wide); stacking each bucket tu
 calls over the whole bucket. The arithmetic per matrix is the same quintic iteration with the same
 coefficients, in bf16 like torch's; the state (``momentum_buffer``) and the hyper-parameters are torch's, so a
 checkpoint of either loads into the other.
+
+In float32 (``ns_dtype="float32"``, what ``auto`` picks on a CPU without native bf16) a wide bucket runs the same
+iteration in its Gram form (:func:`gram_flops`): every ``p(A)`` is a polynomial in ``A0 = X0 X0^T``, so the
+iteration can stay in ``rows x rows`` space and touch the wide ``X`` twice instead of twice per iteration. Same
+polynomial, same result up to float32 rounding: 1e-5 to 4e-4 of the update (the standard float32 iteration's
+~1e-6; torch's bf16 iteration's ~1e-2); fewer FLOPs when the matrix is more than 1.5x as wide as tall (an MLP's
+4x: 44% fewer).
 """
 from __future__ import annotations
 
@@ -54,11 +61,52 @@ def newton_schulz_batched(updates: Tensor, ns_coefficients: tuple[float, float, 
     a, b, c = ns_coefficients
     x = updates.to(dtype)
     x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    rows, cols = x.shape[-2:]
+    if use_gram_form(rows, cols, ns_steps, dtype):
+        return _gram_newton_schulz(x, a, b, c, ns_steps)
+    return _standard_newton_schulz(x, a, b, c, ns_steps)
+
+
+def _standard_newton_schulz(x: Tensor, a: float, b: float, c: float, ns_steps: int) -> Tensor:
+    """torch's iteration on a normalised wide stack: ``X <- aX + (bA + cA^2) X`` with ``A = X X^T``."""
     for _ in range(ns_steps):
         gram = torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a)
     return x
+
+
+def gram_flops(rows: int, cols: int, ns_steps: int) -> tuple[int, int]:
+    """Multiply-add FLOPs of one matrix's iteration: ``(standard, Gram form)``.
+
+    Standard, per iteration: ``A = X X^T`` (2 r^2 c), ``bA + cA^2`` (2 r^3), ``p(A) X`` (2 r^2 c). Gram form: ``A0``
+    once (2 r^2 c); per iteration ``p(A)`` (2 r^3), ``Q <- p(A) Q`` (2 r^3, not the first), ``A <- p(A) A p(A)``
+    (4 r^3, not the last); ``Q X0`` once (2 r^2 c).
+    """
+    r, c, k = rows, cols, ns_steps
+    return k * (4 * r * r * c + 2 * r ** 3), 4 * r * r * c + (8 * k - 6) * r ** 3
+
+
+def use_gram_form(rows: int, cols: int, ns_steps: int, dtype: torch.dtype) -> bool:
+    """The Gram form where it costs fewer FLOPs, in float32/float64 only: ``Q`` grows up to ``a^steps`` (~480) on
+    near-zero singular directions, which float32's 24 bits absorb and bf16's 8 would not."""
+    standard, gram = gram_flops(rows, cols, ns_steps)
+    return dtype in (torch.float32, torch.float64) and ns_steps > 1 and gram < standard
+
+
+def _gram_newton_schulz(x: Tensor, a: float, b: float, c: float, ns_steps: int) -> Tensor:
+    """``newton_schulz_batched``'s iteration in ``rows x rows`` space: X_k = Q_k X_0 with Q_k = p(A_{k-1})...p(A_0),
+    and A_{k+1} = X_{k+1} X_{k+1}^T = p(A_k) A_k p(A_k) (p(A_k) is symmetric and commutes with A_k)."""
+    gram = torch.bmm(x, x.mT)
+    q: Tensor | None = None
+    for k in range(ns_steps):
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        poly.diagonal(dim1=1, dim2=2).add_(a)  # aI + bA + cA^2
+        q = poly if q is None else torch.bmm(poly, q)
+        if k < ns_steps - 1:
+            gram = torch.bmm(torch.bmm(poly, gram), poly)
+    assert q is not None
+    return torch.bmm(q, x)
 
 
 class BatchedMuon(Muon):

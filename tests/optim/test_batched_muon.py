@@ -8,7 +8,15 @@ import torch
 from torch.optim import Muon
 
 from lit_speed.models.gpt import GPT
-from lit_speed.optim.batched_muon import BatchedMuon, adjusted_lr, newton_schulz_batched
+from lit_speed.optim.batched_muon import (
+    BatchedMuon,
+    _gram_newton_schulz,
+    _standard_newton_schulz,
+    adjusted_lr,
+    gram_flops,
+    newton_schulz_batched,
+    use_gram_form,
+)
 
 
 def _matrices() -> list[torch.nn.Parameter]:
@@ -91,3 +99,43 @@ def test_a_parameter_that_stopped_being_a_matrix_is_refused_by_name_of_its_shape
     p.grad = torch.ones(4)
     with pytest.raises(ValueError, match=r"2-D matrices only; got a parameter of shape \(4,\)"):
         opt.step()
+
+
+COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+@pytest.mark.parametrize("shape", [(4, 32, 128), (3, 16, 48), (2, 8, 9)])
+def test_the_gram_form_is_the_standard_iteration_up_to_float32_rounding(shape: tuple[int, int, int]) -> None:
+    torch.manual_seed(0)
+    # momentum-like: singular values spread over three decades (the near-zero ones are where Q grows)
+    x = torch.randn(shape, dtype=torch.float64) @ torch.diag(torch.logspace(0, -3, shape[2], dtype=torch.float64))
+    x = x / x.norm(dim=(1, 2), keepdim=True)
+    exact = _standard_newton_schulz(x, *COEFFICIENTS, 5)
+    assert (_gram_newton_schulz(x, *COEFFICIENTS, 5) - exact).norm() <= 1e-10 * exact.norm()  # same polynomial
+    gram32 = _gram_newton_schulz(x.float(), *COEFFICIENTS, 5).double()
+    standard32 = _standard_newton_schulz(x.float(), *COEFFICIENTS, 5).double()
+    bf16 = _standard_newton_schulz(x.bfloat16(), *COEFFICIENTS, 5).double()
+    # float32: the Gram form rounds to ~1e-4 of the update (Q amplifies the near-zero directions' rounding), the
+    # standard form to ~1e-6, and torch's own bf16 iteration to ~1e-2: the Gram form is far inside torch's default
+    assert (gram32 - exact).norm() <= 1e-3 * exact.norm()
+    assert (standard32 - exact).norm() <= 1e-5 * exact.norm()
+    assert (bf16 - exact).norm() >= 10 * (gram32 - exact).norm()
+
+
+def test_the_gram_form_runs_where_it_saves_flops_and_never_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    standard, gram = gram_flops(128, 512, 5)
+    assert (standard, gram) == (5 * (4 * 128 ** 2 * 512 + 2 * 128 ** 3), 4 * 128 ** 2 * 512 + 34 * 128 ** 3)
+    assert gram < 0.6 * standard  # an MLP matrix (4x wide): 44% fewer
+    assert use_gram_form(128, 512, 5, torch.float32) and use_gram_form(128, 384, 5, torch.float64)
+    assert not use_gram_form(128, 128, 5, torch.float32)  # square: the standard iteration is cheaper
+    assert not use_gram_form(128, 512, 5, torch.bfloat16) and not use_gram_form(128, 512, 1, torch.float32)
+    used: list[str] = []
+    monkeypatch.setattr("lit_speed.optim.batched_muon._gram_newton_schulz",
+                        lambda *a: used.append("gram") or _gram_newton_schulz(*a))
+    monkeypatch.setattr("lit_speed.optim.batched_muon._standard_newton_schulz",
+                        lambda *a: used.append("standard") or _standard_newton_schulz(*a))
+    for dtype in (torch.float32, torch.bfloat16):
+        out = newton_schulz_batched(torch.randn(2, 8, 32), COEFFICIENTS, 5, 1e-7, dtype)
+        assert out.dtype == dtype and out.shape == (2, 8, 32)
+    newton_schulz_batched(torch.randn(2, 8, 8), COEFFICIENTS, 5, 1e-7, torch.float32)
+    assert used == ["gram", "standard", "standard"]
