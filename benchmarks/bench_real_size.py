@@ -78,6 +78,7 @@ def peer_command(tool: str, model: str, mode: str, flags: str, steps: int, block
 #: cache (each row gets an empty TORCHINDUCTOR_CACHE_DIR: the compile is in launch-to-end, as in a user's first run).
 LIT_LORA_EAGER: list[str] = ["callbacks=[default,chunked_loss,keep_freed_memory]", "trainer.num_sanity_val_steps=0"]
 LIT_LORA: list[str] = ["callbacks=[default,chunked_loss,keep_freed_memory,compile]", "trainer.num_sanity_val_steps=0"]
+LIT_LORA_NOVAL: list[str] = [*LIT_LORA, "validate=false", "trainer.limit_val_batches=0"]
 LIT_FULL: list[str] = ["peft=none", "optimizer=adamw_fused",
                        "callbacks=[default,chunked_loss,keep_freed_memory,compile]", "trainer.num_sanity_val_steps=0"]
 LIT_MEMORY_LORA: list[str] = ["peft.base_dtype=bf16",
@@ -101,6 +102,8 @@ SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
         "lora05/lightning": ("lora05", "qwen2.5-0.5b", "lora", 8, "lightning", "speed"),
         "lora05/lit_speed_eager": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA_EAGER),
         "lora05/lit_speed": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA),
+        # the Trainer rows' job: train and export, no validation (lit_speed's final validation is work they skip)
+        "lora05/lit_speed_noval": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA_NOVAL),
         "full05/trainer": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "speed"),
         "full05/lit_speed": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL),
     },
