@@ -94,13 +94,16 @@ def import_floor() -> float:
     return time.perf_counter() - start
 
 
-def newton_schulz_flops(steps: int = 5) -> float:
-    """FLOPs of one Muon step's Newton-Schulz on the GPT's 16 hidden matrices (oriented wide: r <= c).
+def newton_schulz_flops(ns_dtype: str, steps: int = 5) -> float:
+    """FLOPs of one Muon step's Newton-Schulz on the GPT's 16 hidden matrices (oriented wide: r <= c), in the form
+    BatchedMuon runs for ``ns_dtype`` (the standard iteration, or its Gram form: ``batched_muon.gram_flops``)."""
+    import torch
 
-    Per iteration and matrix: X X^T (2 r^2 c), the quintic's G G (2 r^3) and P X (2 r^2 c).
-    """
+    from lit_speed.optim.batched_muon import gram_flops, use_gram_form
+
     shapes = [(128, 384), (128, 128), (128, 512), (128, 512)] * 4  # qkv, proj, fc, fc-out per block
-    return float(sum(steps * (4 * r * r * c + 2 * r ** 3) for r, c in shapes))
+    dtype = getattr(torch, ns_dtype)
+    return float(sum(gram_flops(r, c, steps)[use_gram_form(r, c, steps, dtype)] for r, c in shapes))
 
 
 def breakdown(result: dict[str, Any], floor_s: float) -> dict[str, Any]:
@@ -113,14 +116,15 @@ def breakdown(result: dict[str, Any], floor_s: float) -> dict[str, Any]:
     batches, steps = ev["batches"], summary["global_step"]
     fb_ms = 1000 * ev["forward_backward_s"] / batches
     opt_ms = 1000 * ev["optimizer_s"] / max(steps - 1, 1)
-    muon = "MuonAdamW" in summary["components"]
+    muon = summary["components"].get("MuonAdamW")
     out: dict[str, Any] = {
         "precision": summary["components"].get("GuardedPrecision", {}).get("mode", summary.get("precision")),
         "peak_source": stats.get("peak_flops_source"), "peak_gflops": peak and round(peak / 1e9, 1),
         "startup_s": result["launch"]["events"]["first_batch_start"], "import_floor_s": round(floor_s, 2),
         "forward_backward_ms": round(fb_ms, 2), "forward_backward_mfu": peak and round(flops / (fb_ms / 1000) / peak, 3),
         "optimizer_ms": round(opt_ms, 2),
-        "optimizer_mfu_newton_schulz": round(newton_schulz_flops() / (opt_ms / 1000) / peak, 3) if muon and peak else None,
+        "optimizer_mfu_newton_schulz": (round(newton_schulz_flops(muon["ns_dtype"]) / (opt_ms / 1000) / peak, 3)
+                                        if muon and peak else None),
         "wall_s": round(result["wall_s"], 2), "fit_s": round(summary["fit_wall_time_s"], 2),
     }
     passes = result["launch"].get("validations_s") or []

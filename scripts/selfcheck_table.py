@@ -5,8 +5,8 @@ Each cell is a short in-process Lightning fit of the charlm GPT (12 layers, 12 h
 at least ``TIMED`` steps and ``MIN_SECONDS`` of them, timed with the device synchronised at both ends (a window of a
 few steps lasts ~0.1 s on a big GPU, where Python's per-step cost and the clock ramping up from idle swing the
 result by x2), and ``torch.cuda.max_memory_allocated`` over the timed steps (weights, gradients and optimizer
-state included). The table, verdicts and files come from :mod:`lit_speed.reporting.gpu_table`. A cell that runs out of memory is recorded as ``oom``;
-once the time budget is spent the remaining cells are recorded as skipped.
+state included). The table, verdicts and files come from :mod:`lit_speed.reporting.gpu_table`. A cell that runs
+out of memory is recorded as ``oom``; once the time budget is spent the remaining cells are recorded as skipped.
 """
 from __future__ import annotations
 
