@@ -228,6 +228,7 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
         cmd = peer_command(kind, model, mode, flags, args.steps, args.block, args.micro, r, args.lr, out)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "HYDRA_FULL_ERROR": "1",
            "TORCHINDUCTOR_CACHE_DIR": str(out / "inductor_cache"),  # cold: a compiling row pays its compile
+           "LIT_SPEED_CACHE_DIR": str(out / "lit_speed_cache"),  # cold: lit_speed's timed choices (auto) are timed
            **(KEEP_ENV if kind != "lit" and extra.endswith(KEEP) else {})}
     plan = run_plan(cmd, env, out) if kind == "lit" and args.plan else None
     start = time.time()

@@ -53,6 +53,16 @@ def chunk_tokens_for(vocab_size: int, chunk_bytes: int, compute: torch.dtype = t
     return max(1, int(chunk_bytes) // (int(vocab_size) * bytes_per_logit(compute, softcap)))
 
 
+def balanced_chunk(tokens: int, most: int) -> int:
+    """Tokens per chunk when ``tokens`` are split into as few chunks of at most ``most`` as possible, of equal
+    length: no short last chunk (a 64-row matmul against a 151,936 x 896 head ran at 42 GFLOP/s where 220 rows ran
+    at 62-97 on a Zen3), never more than ``most``."""
+    if tokens <= 0:
+        return max(1, int(most))
+    chunks = -(-int(tokens) // max(1, int(most)))
+    return -(-int(tokens) // chunks)
+
+
 def chunked_loss_bytes(tokens: int, vocab_size: int, hidden_size: int, chunk_bytes: int = DEFAULT_CHUNK_MIB * 2**20,
                        compute: torch.dtype = torch.float32, softcap: bool = False,
                        weight_trains: bool = False, weight_dtype: torch.dtype = torch.float32) -> int:
@@ -160,7 +170,7 @@ def _run(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         divisor = float(count) if opts["reduction"] == "mean" else 1.0
     grad_scale = (1.0 / divisor if divisor else 0.0) if any(grads) else None
     slices = _vocab_slices(weight.shape[0], weight.shape[1], cdt.itemsize, weight.dtype != cdt)
-    step = chunk_tokens_for(weight.shape[0], opts["chunk_bytes"], cdt, opts["softcap"] is not None)
+    step = balanced_chunk(count, chunk_tokens_for(weight.shape[0], opts["chunk_bytes"], cdt, opts["softcap"] is not None))
     grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if grads[0] else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if grads[1] else None
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if grads[2] else None

@@ -171,6 +171,15 @@ def chunk_hf_loss(model: nn.Module, chunk_bytes: int = DEFAULT_CHUNK_MIB * 2**20
     return True
 
 
+def set_chunk_bytes(model: nn.Module, chunk_bytes: int) -> bool:
+    """Change the chunk budget of a model :func:`chunk_hf_loss` wrapped; returns whether it was wrapped."""
+    forward = model.__dict__.get("forward")
+    if not (getattr(model, _ATTR, False) and isinstance(forward, _ChunkedLossForward)):
+        return False
+    forward.chunk_bytes = int(chunk_bytes)
+    return True
+
+
 def unchunk_hf_loss(model: nn.Module) -> bool:
     """Undo :func:`chunk_hf_loss`; returns whether ``model`` was wrapped."""
     if not getattr(model, _ATTR, False):

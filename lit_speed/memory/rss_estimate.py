@@ -176,7 +176,7 @@ class RSSEstimate:
 def predict_peak_rss(*, process: int, frozen_params: int, frozen_bytes: float, trainable_params: int,
                      trainable_bytes: float, state_bytes_per_param: float, step_temp_per_param: float,
                      probe: ScaledProbe, layers: int, vocab: int, tokens: int, load_bytes: int,
-                     export_bytes: int = 0, notes: Sequence[str] = ()) -> RSSEstimate:
+                     export_bytes: int = 0, notes: Sequence[str] = (), step_extra: int = 0) -> RSSEstimate:
     """Add up the parts (see the module docstring).
 
     Args:
@@ -189,6 +189,7 @@ def predict_peak_rss(*, process: int, frozen_params: int, frozen_bytes: float, t
         layers, vocab, tokens: The real model's layers, vocabulary and tokens per micro-batch.
         load_bytes: Peak bytes while the weights are read (see :func:`load_peak_bytes`).
         export_bytes: Bytes the merged export holds at once after fit, on top of the weights (0: no export).
+        step_extra: Bytes the run's step holds beyond the probe's at the same tokens (larger loss chunks).
     """
     weights = int(frozen_params * frozen_bytes + trainable_params * trainable_bytes)
     optimizer = int(trainable_params * state_bytes_per_param)
@@ -196,7 +197,8 @@ def predict_peak_rss(*, process: int, frozen_params: int, frozen_bytes: float, t
     # Lightning runs training_step before zero_grad (its closure: step, zero_grad, backward), so from the second
     # step on the previous step's gradients are alive through the forward (so are a window's under accumulation).
     # 50M Qwen2 full fine-tuning, Z3: the forward of step 1 peaked 1.16 GiB above weights + states, step 0's 0.82
-    step = max(probe.step_bytes(layers, vocab, tokens), grads + probe.forward_bytes(layers, vocab, tokens))
+    step = max(probe.step_bytes(layers, vocab, tokens), grads + probe.forward_bytes(layers, vocab, tokens)) \
+        + int(step_extra)
     return RSSEstimate(process=int(process), weights=weights, optimizer=optimizer, step=step,
                        optimizer_step=int(grads + trainable_params * step_temp_per_param), load=int(load_bytes),
                        export=int(export_bytes), notes=tuple(notes))

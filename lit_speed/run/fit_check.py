@@ -31,6 +31,7 @@ from lit_speed.run.fit_levers import (  # noqa: F401 - re-exported: the fit chec
     callback_nodes,
     configured_levers,
     lever_sets,
+    loss_chunk_mib,
     target_of,
 )
 
@@ -269,17 +270,37 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
     probe, step_temp, state_bytes = cache[key]
     weight_bytes = 2 if spec(facts.precision).module_dtype is not None else 4
     micro_scale = levers.micro_batch / max(configured.micro_batch, 1)
-    return predict_peak_rss(
+    tokens = int(facts.tokens * micro_scale)
+    return predict_peak_rss(step_extra=_chunk_extra(cfg, facts, levers, tokens) if levers.chunked_loss else 0,
         process=process, frozen_params=facts.frozen, frozen_bytes=1 if levers.base_int8 else 2 if levers.base_bf16 else weight_bytes,
         trainable_params=facts.trainable, trainable_bytes=4, state_bytes_per_param=state_bytes,
         step_temp_per_param=step_temp, probe=probe, layers=facts.layers, vocab=facts.vocab,
-        tokens=int(facts.tokens * micro_scale), load_bytes=load_peak_bytes(
+        tokens=tokens, load_bytes=load_peak_bytes(
             facts.file_bytes, facts.frozen + facts.trainable, 2 if (levers.base_bf16 or levers.base_int8)
             and facts.file_dtype_bytes == 2
             else 4, facts.file_dtype_bytes)
         # int8: the base is quantized after it is read, so its int8 copy adds to what loading holds (1B-dims folder,
         # Z3: 2.49 GB of the folder's file pages + 3.0 GB anonymous at the peak, while quantizing)
         + (facts.frozen if levers.base_int8 else 0), export_bytes=_export_bytes(cfg, facts, levers))
+
+
+def _chunk_extra(cfg: DictConfig, facts: RunFacts, levers: Levers, tokens: int) -> int:
+    """Bytes the run's loss chunks hold beyond the probe's (the probe chunks at the default budget): a larger
+    configured budget, or ``chunk_mib=auto``'s largest candidate (:func:`~lit_speed.memory.chunked_lm_loss.
+    auto_chunk_candidates`)."""
+    from lit_speed.memory.chunked_cross_entropy import DEFAULT_CHUNK_MIB, bytes_per_logit, chunked_loss_bytes
+    from lit_speed.memory.chunked_lm_loss import auto_chunk_candidates
+    from lit_speed.precision.modes import spec
+
+    compute = spec(facts.precision).compute_dtype
+    text = facts.config.get_text_config() if hasattr(facts.config, "get_text_config") else facts.config
+    hidden = int(text.hidden_size)
+    mib = loss_chunk_mib(cfg)
+    run_bytes = auto_chunk_candidates(facts.vocab, compute)[-1] * facts.vocab * bytes_per_logit(compute) \
+        if mib == "auto" else int(float(mib) * 2**20)
+    run = chunked_loss_bytes(tokens, facts.vocab, hidden, run_bytes, compute)
+    probe = chunked_loss_bytes(tokens, facts.vocab, hidden, DEFAULT_CHUNK_MIB * 2**20, compute)
+    return max(0, run - probe)
 
 
 def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> None:

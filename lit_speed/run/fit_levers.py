@@ -76,6 +76,17 @@ def configured_levers(cfg: DictConfig) -> Levers:
                   micro_batch=int(cfg.data.batch_size), lora=lora)
 
 
+def loss_chunk_mib(cfg: DictConfig) -> float | str:
+    """The chunked loss's configured budget (MiB of logits, or ``"auto"``); ``"auto"`` where the config chunks
+    nothing (a lever set that adds ``chunked_loss`` adds the callback's default)."""
+    for node in callback_nodes(cfg).values():
+        if target_of(node).endswith("ChunkedLMLoss"):
+            value = node.get("chunk_mib", "auto")
+            return "auto" if value == "auto" else float(value)
+    value = cfg.model.get("loss_chunk_mib") if isinstance(cfg.get("model"), DictConfig) else None
+    return "auto" if value is None else float(value)
+
+
 def lever_sets(configured: Levers, full_fine_tuning: bool) -> list[Levers]:
     """The configured levers, then each of :data:`LEVERS` added in turn (those that apply), then halved
     micro-batches with all of them."""

@@ -129,7 +129,7 @@ def test_bad_arguments_are_refused_naming_them():
         chunked_lm_loss(hidden, weight, targets, chunk_bytes=0)
     with pytest.raises(ValueError, match=r"do not fit: hidden \[\.\.\., H\]"):
         chunked_lm_loss(hidden, weight.t(), targets)
-    with pytest.raises(ValueError, match=r"ChunkedLMLoss\(chunk_mib=0\): .*Fix: chunk_mib=128"):
+    with pytest.raises(ValueError, match=r"ChunkedLMLoss\(chunk_mib=0\): .*Fix: chunk_mib=auto"):
         ChunkedLMLoss(chunk_mib=0)
 
 
@@ -321,3 +321,68 @@ def test_hf_causal_lm_chunked_loss_equals_its_plain_loss_also_with_adapters(tmp_
         _close(g, e)
     with torch.no_grad():  # validation: the loss only
         torch.testing.assert_close(chunked._loss((x, y)), plain._loss((x, y)), **FP32)
+
+
+def test_chunks_are_balanced_never_longer_than_the_budget_and_as_few():
+    from lit_speed.memory.chunked_cross_entropy import balanced_chunk
+
+    for tokens in range(1, 60):
+        for most in range(1, 25):
+            size = balanced_chunk(tokens, most)
+            assert 1 <= size <= most
+            chunks = -(-tokens // size)
+            assert chunks == -(-tokens // most)  # as few chunks as the budget allows
+            assert tokens - (chunks - 1) * size >= size - chunks + 1  # the last one is no stub
+    assert balanced_chunk(2048, 220) == 205 and balanced_chunk(2048, 883) == 683
+
+
+def test_auto_candidates_double_the_default_chunk_within_the_cap():
+    from lit_speed.memory.chunked_lm_loss import AUTO_ENOUGH_TOKENS, auto_chunk_candidates
+
+    assert auto_chunk_candidates(151_936) == [220, 440, 880]  # Qwen2.5's vocabulary, float32 logits
+    assert auto_chunk_candidates(151_936, torch.bfloat16) == [147, 294, 588]  # + a 16-bit copy per logit
+    assert auto_chunk_candidates(32_000) == [1048, 2096, 4192]
+    assert auto_chunk_candidates(V) == [128 * 2**20 // (V * 4)]  # a small vocabulary: nothing to time
+    assert auto_chunk_candidates(V)[0] >= AUTO_ENOUGH_TOKENS
+
+
+def test_auto_times_larger_chunks_at_fit_start_and_a_resumed_run_keeps_its_choice(tmp_path, monkeypatch):
+    import lit_speed.memory.chunked_lm_loss as callback_module
+
+    monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(callback_module, "DEFAULT_CHUNK_MIB", 0.002)  # 5 tokens of 97 logits: candidates 5, 10, 20
+    seen = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(vars(pl_module.lm)["forward"].chunk_bytes)
+
+    torch.manual_seed(0)
+    plain, chunked = OwnHFModule(), OwnHFModule()
+    chunked.load_state_dict(plain.state_dict())
+    callback = ChunkedLMLoss()
+    _fit(plain, [], tmp_path)
+    _fit(chunked, [callback, Spy()], tmp_path)
+    assert set(callback.decision.times) == {"5", "10", "20"}  # timed here, every candidate
+    tokens = int(callback.decision.chosen)
+    assert callback.chunk_mib == tokens * V * 4 / 2**20 and set(seen) == {callback.chunk_bytes}
+    assert callback.final_summary()["auto"].startswith("loss.chunk_tokens -> ")
+    for (name, a), b in zip(plain.state_dict().items(), chunked.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)  # the math is the plain loss's
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a resumed run must not time again")
+
+    monkeypatch.setattr(callback_module, "measured_choice", no_timing)
+    resumed = ChunkedLMLoss()
+    resumed.load_state_dict({"chunk_mib": 0.0037})
+    seen.clear()
+    _fit(OwnHFModule(), [resumed, Spy()], tmp_path)
+    assert resumed.chunk_mib == 0.0037 and resumed.decision.chosen == "restored"
+    assert set(seen) == {int(0.0037 * 2**20)}
+    assert ChunkedLMLoss(chunk_mib=64).state_dict() == {}  # a number is the config's: nothing to restore
+
+
+def test_auto_is_refused_in_other_spellings():
+    with pytest.raises(ValueError, match=r"ChunkedLMLoss\(chunk_mib='fast'\): .* or 'auto' .*Fix: chunk_mib=auto"):
+        ChunkedLMLoss(chunk_mib="fast")

@@ -182,3 +182,28 @@ def test_the_merged_export_is_counted_when_the_run_writes_one(make_cfg, folder, 
     assert 4 * n < exporting.export == exporting.weights < EXPORT_SHARD_BYTES  # float32 weights here
     assert exporting.export_peak > exporting.process and silent.export == silent.export_peak == 0
     assert exporting.step == silent.step  # the same probe
+
+
+def test_larger_loss_chunks_than_the_probes_are_counted_in_the_step():
+    """The probe chunks at the default 128 MiB; chunk_mib=auto may pick up to 4x as many tokens (Qwen2.5's vocabulary:
+    880 instead of 220), and the step term grows by their logits; a smaller vocabulary's one chunk adds nothing."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    def cfg(chunk):
+        callbacks = {} if chunk is None else {"chunked_loss": {
+            "_target_": "lit_speed.memory.chunked_lm_loss.ChunkedLMLoss", "chunk_mib": chunk}}
+        return OmegaConf.create({"callbacks": callbacks, "model": {}})
+
+    def facts(vocab):
+        return SimpleNamespace(vocab=vocab, precision="32-true", config=SimpleNamespace(hidden_size=896))
+
+    levers = fit_check.Levers(chunked_loss=True)
+    assert fit_check.loss_chunk_mib(cfg("auto")) == "auto" and fit_check.loss_chunk_mib(cfg(64)) == 64.0
+    assert fit_check._chunk_extra(cfg("auto"), facts(151_936), levers, 2048) == (880 - 220) * 151_936 * 4
+    assert fit_check._chunk_extra(cfg(None), facts(151_936), levers, 2048) == (880 - 220) * 151_936 * 4  # the default
+    assert fit_check._chunk_extra(cfg(128), facts(151_936), levers, 2048) == 0
+    assert fit_check._chunk_extra(cfg(512), facts(151_936), levers, 512) == (512 - 220) * 151_936 * 4
+    assert fit_check._chunk_extra(cfg("auto"), facts(151_936), levers, 200) == 0  # one chunk either way
+    assert fit_check._chunk_extra(cfg("auto"), facts(32_000), levers, 1024) == 0
