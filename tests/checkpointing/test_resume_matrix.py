@@ -55,7 +55,11 @@ LEVERS = {"peft=lora peft.base_dtype=bf16": DIGITS + ["peft=lora", "peft.base_dt
           "callbacks+=keep_freed_memory": [*DIGITS, "callbacks=[model_checkpoint,fault_tolerance,keep_freed_memory]"],
           "experiment=charlm_cpu callbacks+=chunked_loss": [
               "experiment=charlm_cpu", *[a for a in PRESET if not a.startswith("callbacks=")],
-              "callbacks=[model_checkpoint,fault_tolerance,chunked_loss]", "callbacks.chunked_loss.chunk_mib=0.05"]}
+              "callbacks=[model_checkpoint,fault_tolerance,chunked_loss]", "callbacks.chunked_loss.chunk_mib=0.05"],
+          # chunk_mib=auto (the default): the chunk decided at fit start is saved, and a resumed run keeps it
+          "experiment=charlm_cpu callbacks+=chunked_loss chunk_mib=auto": [
+              "experiment=charlm_cpu", *[a for a in PRESET if not a.startswith("callbacks=")],
+              "callbacks=[model_checkpoint,fault_tolerance,chunked_loss]", "callbacks.chunked_loss.chunk_mib=auto"]}
 
 
 def _tiny_llama(tmp_path: Path) -> list[str]:

@@ -334,6 +334,9 @@ def test_fine_tuning_options_are_refused_before_training_naming_the_setting(make
      r"or callbacks=\[default,return_freed_memory\]\)$"),
     (["experiment=charlm_cpu", "callbacks=[chunked_loss]", "callbacks.chunked_loss.chunk_mib=0"],
      r"^callbacks\.chunked_loss\.chunk_mib=0: ChunkedLMLoss\(chunk_mib=0\): .*Fix: chunk_mib=auto"),
+    (["experiment=charlm_cpu", "callbacks=[chunked_loss]", "callbacks.chunked_loss.chunk_mib=fast"],
+     r"^callbacks\.chunked_loss\.chunk_mib='fast': ChunkedLMLoss\(chunk_mib='fast'\): .* or 'auto' .*Fix: "
+     r"chunk_mib=auto"),
     # a bf16-held frozen base needs float32 module weights around it (the adapters) and no ZeRO
     (["peft=lora", "peft.base_dtype=fp16"], r"^peft\.base_dtype='fp16': PEFTAdapters\(base_dtype='fp16'\): .*Fix: "
                                             r"base_dtype=bf16"),
