@@ -386,3 +386,22 @@ def test_auto_times_larger_chunks_at_fit_start_and_a_resumed_run_keeps_its_choic
 def test_auto_is_refused_in_other_spellings():
     with pytest.raises(ValueError, match=r"ChunkedLMLoss\(chunk_mib='fast'\): .* or 'auto' .*Fix: chunk_mib=auto"):
         ChunkedLMLoss(chunk_mib="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: times the chunk sizes on the GPU")
+def test_auto_times_the_chunk_on_the_gpu_and_the_loss_stays_the_plain_one():
+    from lit_speed.memory.chunked_lm_loss import auto_chunk_candidates, choose_chunk_tokens
+
+    torch.manual_seed(0)
+    weight = (torch.randn(151_936, 64) * 0.02).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        decision = choose_chunk_tokens(weight, context=lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+    candidates = auto_chunk_candidates(151_936, torch.bfloat16)
+    assert set(decision.times) == {str(c) for c in candidates} and int(decision.chosen) in candidates
+    assert all(t is not None and t > 0 for t in decision.times.values())  # each ran on the GPU
+    hidden = torch.randn(2, 300, 64, device="cuda", requires_grad=True)
+    targets = torch.randint(0, 151_936, (2, 300), device="cuda")
+    chunk = int(decision.chosen) * 151_936 * 4
+    got = chunked_lm_loss(hidden, weight, targets, chunk_bytes=chunk)
+    _close(got, _plain(hidden, weight, targets))
