@@ -42,7 +42,8 @@ def auto_chunk_candidates(vocab_size: int, compute: torch.dtype = torch.float32,
 
 
 def choose_chunk_tokens(weight: torch.Tensor, options: dict[str, Any] | None = None,
-                        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Decision:
+                        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                        hidden_dtype: torch.dtype | None = None) -> Decision:
     """Time the chunked loss's forward and backward at each of :func:`auto_chunk_candidates` on this machine and
     device, on the head's first :data:`AUTO_SLICE_ROWS` rows (a copy) and the same tokens for every candidate; keep
     the default's chunk unless a larger one is faster by the tuning margin (``lit_speed.tuning``, cached per machine).
@@ -55,6 +56,7 @@ def choose_chunk_tokens(weight: torch.Tensor, options: dict[str, Any] | None = N
         weight: The head's ``[vocab, hidden]`` weight, on the run's device; it is not changed.
         options: The model's logit transform (``logit_scale``, ``softcap``: ``LMHead.loss_options()``).
         context: The run's forward context (its autocast), so the matmuls run in the run's compute dtype.
+        hidden_dtype: The dtype of the hidden states the head receives (default: the weight's, if floating).
     """
     options = dict(options or {})
     vocab, hidden = weight.shape
@@ -62,11 +64,13 @@ def choose_chunk_tokens(weight: torch.Tensor, options: dict[str, Any] | None = N
     with torch.no_grad():
         dtype = weight.dtype if weight.is_floating_point() else torch.float32
         head = weight[:rows].detach().to(dtype).clone().requires_grad_(weight.requires_grad)
+    hidden_dtype = hidden_dtype or dtype
     with context():
-        compute = compute_dtype(torch.empty(0, device=weight.device))
+        compute = compute_dtype(torch.empty(0, dtype=hidden_dtype, device=weight.device))
     softcap = options.get("softcap") is not None
     candidates = auto_chunk_candidates(vocab, compute, softcap)
     key = {"vocab": vocab, "hidden": hidden, "weight_dtype": str(weight.dtype), "compute": str(compute),
+           "hidden_dtype": str(hidden_dtype),
            "trains_head": weight.requires_grad, "softcap": softcap, "device": weight.device.type,
            **({"gpu": torch.cuda.get_device_name(weight.device)} if weight.device.type == "cuda" else {})}
     if len(candidates) == 1:
@@ -75,7 +79,7 @@ def choose_chunk_tokens(weight: torch.Tensor, options: dict[str, Any] | None = N
                         {str(candidates[0]): None})
     tokens = candidates[-1]
     generator = torch.Generator().manual_seed(0)
-    states = torch.randn(tokens, hidden, generator=generator).to(weight.device).requires_grad_()
+    states = torch.randn(tokens, hidden, generator=generator).to(weight.device, hidden_dtype).requires_grad_()
     targets = torch.randint(0, rows, (tokens,), generator=generator).to(weight.device)
 
     def run(chunk: int) -> Callable[[], None]:
@@ -167,10 +171,11 @@ class ChunkedLMLoss(Callback):
             self.decision = Decision("loss.chunk_tokens", "restored",
                                      f"{self.chunk_mib:g} MiB from the checkpoint: not timed", {})
         elif weight is not None and weight.dim() == 2 and weight.numel() > 0:  # not a ZeRO-3 shard
+            hidden_dtype = self._hidden_dtype(pl_module, weight)
             self.decision = on_rank_zero(lambda: choose_chunk_tokens(
-                weight, options, trainer.precision_plugin.forward_context))
+                weight, options, trainer.precision_plugin.forward_context, hidden_dtype))
             tokens = int(self.decision.chosen)
-            compute = self._compute_dtype(trainer, weight)
+            compute = self._compute_dtype(trainer, weight, hidden_dtype)
             self.chunk_mib = tokens * weight.shape[0] * bytes_per_logit(compute, options.get("softcap") is not None) \
                 / 2**20
         else:
@@ -180,9 +185,16 @@ class ChunkedLMLoss(Callback):
                        f"({self.decision.line()})")
 
     @staticmethod
-    def _compute_dtype(trainer: "pl.Trainer", weight: torch.Tensor) -> torch.dtype:
+    def _hidden_dtype(pl_module: "pl.LightningModule", weight: torch.Tensor) -> torch.dtype:
+        """What the head's input is held in: the trainable weights' dtype (float32 adapters around a bf16 base, a
+        bf16-true model's bf16), else the head's."""
+        trained = next((p.dtype for p in pl_module.parameters() if p.requires_grad and p.is_floating_point()), None)
+        return trained or (weight.dtype if weight.is_floating_point() else torch.float32)
+
+    @staticmethod
+    def _compute_dtype(trainer: "pl.Trainer", weight: torch.Tensor, hidden_dtype: torch.dtype) -> torch.dtype:
         with trainer.precision_plugin.forward_context():
-            return compute_dtype(torch.empty(0, device=weight.device))
+            return compute_dtype(torch.empty(0, dtype=hidden_dtype, device=weight.device))
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -383,6 +383,17 @@ def test_auto_times_larger_chunks_at_fit_start_and_a_resumed_run_keeps_its_choic
     assert ChunkedLMLoss(chunk_mib=64).state_dict() == {}  # a number is the config's: nothing to restore
 
 
+
+def test_auto_times_in_the_dtype_the_head_computes_in(tmp_path, monkeypatch):
+    """A bf16-true model's hidden states are bf16 (16-bit copies per logit: fewer tokens per chunk); float32
+    adapters around a bf16-held head compute in float32."""
+    from lit_speed.memory.chunked_lm_loss import choose_chunk_tokens
+
+    monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))
+    weight = (torch.randn(151_936, 8) * 0.02).bfloat16()
+    assert set(choose_chunk_tokens(weight).times) == {"147", "294", "588"}
+    assert set(choose_chunk_tokens(weight, hidden_dtype=torch.float32).times) == {"220", "440", "880"}
+
 def test_auto_is_refused_in_other_spellings():
     with pytest.raises(ValueError, match=r"ChunkedLMLoss\(chunk_mib='fast'\): .* or 'auto' .*Fix: chunk_mib=auto"):
         ChunkedLMLoss(chunk_mib="fast")
