@@ -19,7 +19,13 @@ from lit_speed.memory.chunked_cross_entropy import (
     chunked_lm_loss,
     compute_dtype,
 )
-from lit_speed.memory.hf_chunked_loss import chunk_hf_loss, is_hf_causal_lm, set_chunk_bytes, unchunk_hf_loss
+from lit_speed.memory.hf_chunked_loss import (
+    chunk_hf_loss,
+    hf_lm_head,
+    is_hf_causal_lm,
+    set_chunk_bytes,
+    unchunk_hf_loss,
+)
 from lit_speed.tuning.measured_choice import Decision, measured_choice, on_rank_zero
 
 #: ``chunk_mib="auto"``: the largest chunk it tries, in MiB of logits (what the fit check counts for the loss).
@@ -39,6 +45,13 @@ def auto_chunk_candidates(vocab_size: int, compute: torch.dtype = torch.float32,
         return [base]
     cap = chunk_tokens_for(vocab_size, AUTO_MAX_MIB * 2**20, compute, softcap)
     return [base] + [base * k for k in (2, 4) if base * k <= cap]
+
+
+def head_compute_dtype(context: Callable[[], contextlib.AbstractContextManager], hidden_dtype: torch.dtype,
+                       device: torch.device) -> torch.dtype:
+    """The dtype the head's matmuls run in for hidden states of ``hidden_dtype`` inside the run's forward context."""
+    with context():
+        return compute_dtype(torch.empty(0, dtype=hidden_dtype, device=device))
 
 
 def choose_chunk_tokens(weight: torch.Tensor, options: dict[str, Any] | None = None,
@@ -65,8 +78,7 @@ def choose_chunk_tokens(weight: torch.Tensor, options: dict[str, Any] | None = N
         dtype = weight.dtype if weight.is_floating_point() else torch.float32
         head = weight[:rows].detach().to(dtype).clone().requires_grad_(weight.requires_grad)
     hidden_dtype = hidden_dtype or dtype
-    with context():
-        compute = compute_dtype(torch.empty(0, dtype=hidden_dtype, device=weight.device))
+    compute = head_compute_dtype(context, hidden_dtype, weight.device)
     softcap = options.get("softcap") is not None
     candidates = auto_chunk_candidates(vocab, compute, softcap)
     key = {"vocab": vocab, "hidden": hidden, "weight_dtype": str(weight.dtype), "compute": str(compute),
@@ -150,16 +162,17 @@ class ChunkedLMLoss(Callback):
 
     @staticmethod
     def _head(pl_module: "pl.LightningModule") -> tuple[torch.Tensor | None, dict[str, Any]]:
-        """The head's weight and logit transform of the (first) language model in ``pl_module``."""
-        from lit_speed.memory.hf_chunked_loss import hf_lm_head
-
-        for module in pl_module.modules():
-            if is_hf_causal_lm(module):
-                spec = hf_lm_head(module, check=False)
-                return spec.head.weight, spec.loss_options()
-        head = getattr(getattr(pl_module, "model", None), "lm_head", None)
-        weight = getattr(head, "weight", None)
-        return (weight, {}) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else (None, {})
+        """The head's weight and logit transform of the (first) language model in ``pl_module``; no weight where it
+        is not a whole ``[vocab, hidden]`` matrix here (a ZeRO-3 shard)."""
+        weight, options = None, {}
+        found = next((m for m in pl_module.modules() if is_hf_causal_lm(m)), None)
+        if found is not None:
+            spec = hf_lm_head(found, check=False)
+            weight, options = spec.head.weight, spec.loss_options()
+        else:
+            weight = getattr(getattr(getattr(pl_module, "model", None), "lm_head", None), "weight", None)
+        whole = isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.numel() > 0
+        return (weight, options) if whole else (None, {})
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -170,12 +183,12 @@ class ChunkedLMLoss(Callback):
             self.chunk_mib = self._restored_mib
             self.decision = Decision("loss.chunk_tokens", "restored",
                                      f"{self.chunk_mib:g} MiB from the checkpoint: not timed", {})
-        elif weight is not None and weight.dim() == 2 and weight.numel() > 0:  # not a ZeRO-3 shard
+        elif weight is not None:
             hidden_dtype = self._hidden_dtype(pl_module, weight)
             self.decision = on_rank_zero(lambda: choose_chunk_tokens(
                 weight, options, trainer.precision_plugin.forward_context, hidden_dtype))
             tokens = int(self.decision.chosen)
-            compute = self._compute_dtype(trainer, weight, hidden_dtype)
+            compute = head_compute_dtype(trainer.precision_plugin.forward_context, hidden_dtype, weight.device)
             self.chunk_mib = tokens * weight.shape[0] * bytes_per_logit(compute, options.get("softcap") is not None) \
                 / 2**20
         else:
@@ -190,11 +203,6 @@ class ChunkedLMLoss(Callback):
         bf16-true model's bf16), else the head's."""
         trained = next((p.dtype for p in pl_module.parameters() if p.requires_grad and p.is_floating_point()), None)
         return trained or (weight.dtype if weight.is_floating_point() else torch.float32)
-
-    @staticmethod
-    def _compute_dtype(trainer: "pl.Trainer", weight: torch.Tensor, hidden_dtype: torch.dtype) -> torch.dtype:
-        with trainer.precision_plugin.forward_context():
-            return compute_dtype(torch.empty(0, dtype=hidden_dtype, device=weight.device))
 
     @override
     def state_dict(self) -> dict[str, Any]:

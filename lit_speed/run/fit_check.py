@@ -94,9 +94,14 @@ class RunFacts:
     largest: int = 0     # elements of the largest parameter (the export writes it whole)
 
 
+def _text_config(config: Any) -> Any:
+    """The language model's part of a Hugging Face config (itself, unless the model is multimodal)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _small(config: Any, layers: int, vocab: int) -> Any:
     small = copy.deepcopy(config)
-    text = small.get_text_config() if hasattr(small, "get_text_config") else small
+    text = _text_config(small)
     text.num_hidden_layers, text.vocab_size = layers, vocab
     for key in ("layer_types", "max_window_layers"):  # per-layer lists sized by the layer count
         if isinstance(getattr(text, key, None), list):
@@ -111,7 +116,7 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
     from lit_speed.memory.rss_estimate import count_parameters
 
     config = AutoConfig.from_pretrained(folder)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config)
     prepared = _prepare(hf, _adapter_args(cfg, levers.lora), levers)
@@ -141,7 +146,7 @@ def probe_lengths(config: Any, block: int) -> tuple[int, int]:
     more than the model's learned positions: an index past them is an IndexError, not a measurement). A step's
     peak is a maximum over time: at a few dozen tokens it sits where the gradients of a large embedding add up, at
     the run's length where the logits are, so the probe measures at the run's length, not at a toy one."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     longest = min(block, PROBE_MAX_TOKENS, int(positions) if positions else block)
     return max(longest // 2, 1), max(longest, 2)
@@ -152,7 +157,7 @@ def generous_bound(facts: RunFacts, process: int) -> int:
     gradient and AdamW state, activations at eager attention's widest (scores and probabilities of every head in
     float32), the logits and their gradient several times over, all x1.5. When it fits, the probe is not run
     (tiny models, small windows); when it does not, :func:`estimate_run` measures."""
-    text = facts.config.get_text_config() if hasattr(facts.config, "get_text_config") else facts.config
+    text = _text_config(facts.config)
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 4096)
     inner = int(getattr(text, "intermediate_size", 0) or getattr(text, "ffn_dim", 0)
                 or getattr(text, "n_inner", 0) or 4 * hidden)
@@ -293,7 +298,7 @@ def _chunk_extra(cfg: DictConfig, facts: RunFacts, levers: Levers, tokens: int) 
     from lit_speed.precision.modes import spec
 
     compute = spec(facts.precision).compute_dtype
-    text = facts.config.get_text_config() if hasattr(facts.config, "get_text_config") else facts.config
+    text = _text_config(facts.config)
     hidden = int(text.hidden_size)
     mib = loss_chunk_mib(cfg)
     run_bytes = auto_chunk_candidates(facts.vocab, compute)[-1] * facts.vocab * bytes_per_logit(compute) \
