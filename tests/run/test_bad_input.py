@@ -351,7 +351,9 @@ def test_fine_tuning_options_are_refused_before_training_naming_the_setting(make
     (["peft=lora", "peft.base_dtype=bf16", "precision=auto"], r"^peft\.base_dtype=bf16: .*precision=auto may choose "
                                                               r"bf16-master"),
     (["peft=lora", "peft.base_dtype=bf16", "strategy=zero2"], r"^peft\.base_dtype=bf16: .*DeepSpeed ZeRO casts and "
-                                                              r"partitions .*Fix: strategy=auto or ddp"),
+                                                              r"partitions .*Fix: strategy=auto or ddp"),    # LoRA's up-projection gradient: standard | transposed | auto
+    (["peft=lora", "peft.up_grad=fast"], r"^peft\.up_grad='fast': PEFTAdapters\(up_grad='fast'\): one of auto, "
+                                         r"standard, transposed\. Fix: up_grad=auto"),
 ])
 def test_memory_levers_are_refused_before_training_naming_the_setting(make_cfg, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message) as error:

@@ -1,0 +1,153 @@
+"""LoRA's up-projection weight gradient as ``(h^T dY)^T``: the gradients of every adapter equal ``nn.Linear``'s (float32,
+under bf16 autocast, compiled), ``standard`` puts ``nn.Linear`` back, ``auto`` is decided by timing the widest
+adapter at the run's tokens and dtype, and a resumed run keeps its checkpoint's choice without timing again."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lit_speed.finetune.adapter_grad import choose_up_grad, set_up_grad, up_projections
+from lit_speed.finetune.adapters import add_adapters
+from lit_speed.finetune.peft_callback import PEFTAdapters
+from lit_speed.models.gpt import GPTModule
+from lit_speed.run.runner import train
+from lit_speed.tuning import Decision
+
+SIZES = {"vocab_size": 97, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32, "bias": True}
+
+
+def _lora_gpt() -> GPTModule:
+    torch.manual_seed(0)
+    model = GPTModule(**SIZES)
+    add_adapters(model, "lora", ["all-linear"], r=4, options={"init_lora_weights": False})  # B != 0: A gets gradients
+    return model
+
+
+def _grads(model: GPTModule, autocast: bool = False) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    x = torch.randint(0, 97, (4, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model._loss((x, torch.roll(x, -1, 1)))
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return dict(zip([n for n, _ in trainable], torch.autograd.grad(loss, [p for _, p in trainable])))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_every_adapter_gradient_equals_nn_linears(autocast):
+    standard = _lora_gpt()
+    transposed = copy.deepcopy(standard)
+    assert set_up_grad(transposed, "transposed") == len(up_projections(standard)) == 8  # qkv, proj, fc, fc2 x 2
+    expected, got = _grads(standard, autocast), _grads(transposed, autocast)
+    assert expected.keys() == got.keys() and any("lora_B" in n for n in got) and any("lora_A" in n for n in got)
+    for name in expected:
+        assert got[name].dtype == expected[name].dtype and got[name].shape == expected[name].shape
+        assert expected[name].abs().sum() > 0, name  # a gradient that is there to compare
+        tol = 2e-2 if autocast else 1e-5  # bf16: the same products rounded through a different summation order
+        torch.testing.assert_close(got[name], expected[name], rtol=tol, atol=tol * 1e-2, msg=name)
+
+
+def test_compiled_layers_trace_it_and_give_the_same_gradients():
+    standard = _lora_gpt()
+    compiled = copy.deepcopy(standard)
+    set_up_grad(compiled, "transposed")
+    for block in compiled.model.blocks:
+        block.compile(backend="aot_eager")  # AOTAutograd traces forward and backward, as inductor's input
+    expected, got = _grads(standard), _grads(compiled)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_standard_puts_nn_linear_back_and_a_copy_keeps_its_own_module():
+    model = _lora_gpt()
+    set_up_grad(model, "transposed")
+    twin = copy.deepcopy(model)
+    assert all(up.forward.module is up for up in up_projections(twin))  # not the original's modules
+    assert set_up_grad(model, "standard") == 8
+    assert all("forward" not in vars(up) and type(up) is nn.Linear for up in up_projections(model))
+    assert model.state_dict().keys() == twin.state_dict().keys()
+    with pytest.raises(ValueError, match=r"set_up_grad\(mode='auto'\): one of standard, transposed"):
+        set_up_grad(model, "auto")
+
+
+def test_choose_times_the_widest_adapter_at_the_runs_tokens_and_keeps_standard_without_one():
+    seen = {}
+
+    def measure(name, key, candidates, default):
+        seen.update(name=name, key=key, default=default, names=sorted(candidates))
+        for run in candidates.values():
+            run()  # both candidates run at this shape
+        return Decision(name, "transposed", "injected")
+
+    decision = choose_up_grad(_lora_gpt(), tokens=96, dtype=torch.bfloat16, measure=measure)
+    assert decision.chosen == "transposed"
+    assert seen == {"name": "peft.up_grad", "default": "standard", "names": ["standard", "transposed"],
+                    "key": {"shape": [128, 4], "tokens": 96, "device": "cpu", "dtype": "torch.bfloat16"}}  # fc: 32->128
+
+    def must_not_time(*_args, **_kwargs):
+        raise AssertionError("nothing to time")
+
+    torch.manual_seed(0)
+    assert choose_up_grad(GPTModule(**SIZES), measure=must_not_time).chosen == "standard"
+
+
+def test_bad_setting_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"PEFTAdapters\(up_grad='fast'\): one of auto, standard, transposed\. "
+                                         r"Fix: up_grad=auto"):
+        PEFTAdapters(up_grad="fast")
+
+
+class _Loader(pl.LightningDataModule):
+    batch_size, block_size = 4, 16
+
+    def train_dataloader(self):
+        torch.manual_seed(2)
+        x = torch.randint(0, 97, (16, 16))
+        return torch.utils.data.DataLoader(list(zip(x, torch.roll(x, -1, 1))), batch_size=self.batch_size)
+
+
+def test_auto_decides_at_fit_start_and_a_resumed_callback_keeps_the_choice(monkeypatch, tmp_path):
+    calls = []
+
+    def chosen(model, device, tokens, dtype):
+        calls.append((str(device), tokens, dtype))
+        return Decision("peft.up_grad", "transposed", "timed (stub)")
+
+    monkeypatch.setattr("lit_speed.finetune.peft_callback.choose_up_grad", chosen)
+    torch.manual_seed(0)
+    model = GPTModule(**SIZES, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    callback = PEFTAdapters(export=False)
+    trainer = pl.Trainer(max_steps=2, callbacks=[callback], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=_Loader())
+    assert calls == [("cpu", 64, torch.float32)]  # batch_size x block_size of the DataModule, the run's dtype
+    assert all(up.forward.__class__.__name__ == "_TransposedUpForward" for up in up_projections(model))
+    assert callback.state_dict()["up_grad"] == "transposed"
+    assert callback.final_summary()["up_grad"] == "transposed"
+
+    def must_not_time(*_args):
+        raise AssertionError("a resumed run keeps its checkpoint's choice")
+
+    monkeypatch.setattr("lit_speed.finetune.peft_callback.choose_up_grad", must_not_time)
+    resumed = PEFTAdapters(export=False)
+    resumed.load_state_dict(callback.state_dict())
+    torch.manual_seed(0)
+    model = GPTModule(**SIZES, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    trainer = pl.Trainer(max_steps=1, callbacks=[resumed], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=_Loader())
+    assert resumed.chosen_up_grad == "transposed" and resumed.up_grad_reason == "restored from the checkpoint"
+    assert all("forward" in vars(up) for up in up_projections(model))
+
+
+def test_through_the_runner_the_choice_is_in_the_summary_and_the_start_up_table(make_cfg):
+    summary = train(make_cfg(["trainer.max_epochs=1", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
+                              "logger=none", "validate=false", "trainer.enable_progress_bar=false",
+                              "trainer.enable_model_summary=false", "peft=lora", "peft.export=false",
+                              "peft.up_grad=transposed"]))
+    assert summary["components"]["PEFTAdapters"]["up_grad"] == "transposed"
+    assert summary["startup"]["adapter gradients"] == "up-projections transposed"
