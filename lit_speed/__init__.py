@@ -57,6 +57,8 @@ _EXPORTS = {
     "choose_base_compute": "lit_speed.finetune.frozen_base",
     "frozen_base_bytes": "lit_speed.finetune.frozen_base",
     "upcast_unlowered": "lit_speed.finetune.frozen_base",
+    "set_up_grad": "lit_speed.finetune.adapter_grad",
+    "choose_up_grad": "lit_speed.finetune.adapter_grad",
     "load_weights": "lit_speed.finetune.weights",
     "HFCausalLM": "lit_speed.models.hf_causal_lm",
     "TextFolderDataModule": "lit_speed.data.text_folder",

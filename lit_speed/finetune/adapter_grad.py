@@ -14,8 +14,9 @@ Which is faster depends on the BLAS and the CPU (or GPU), so ``auto`` times both
 the run's tokens per micro-batch (:func:`choose_up_grad`, ``lit_speed.tuning.measured_choice``: interleaved, cached
 per machine and shape) and keeps ``standard`` unless ``transposed`` is faster by the usual margin.
 
-Only ``peft``'s LoRA up-projections that are plain ``nn.Linear`` change, by replacing ``forward`` on the instance
-(``state_dict`` keys, ``peft``'s merge and the export are untouched); ``standard`` puts ``nn.Linear.forward`` back.
+Only ``peft``'s LoRA up-projections that are plain ``nn.Linear`` change, to the subclass :class:`TransposedUpLinear`
+in place (parameters, ``state_dict`` keys, ``peft``'s merge and the export are untouched); ``standard`` puts
+``nn.Linear`` back.
 Under DeepSpeed ZeRO stage 3 (which gathers partitioned weights through its own ``F.linear`` autograd function)
 it is not used.
 """
@@ -30,7 +31,6 @@ from torch import nn
 from lit_speed.tuning import Decision, measured_choice
 
 UP_GRADS = ("auto", "standard", "transposed")
-_ATTR = "_lit_speed_up_grad"
 
 
 class _RankRowsGrad(torch.autograd.Function):
@@ -52,31 +52,31 @@ class _RankRowsGrad(torch.autograd.Function):
         return grad_h, grad_w, grad_b
 
 
-class _TransposedUpForward:
-    """Replaces ``forward`` on an up-projection's instance; keeps a reference to its module (not a bound method), so
-    ``copy.deepcopy`` copies it along. Under autocast it casts as autocast casts ``F.linear``."""
+class TransposedUpLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight gradient is ``(h^T dY)^T``; :func:`set_up_grad` gives an up-projection this class
+    in place (its parameters, ``state_dict`` and ``isinstance(m, nn.Linear)`` stay). A class, not a ``forward``
+    replaced per instance: ``torch.compile`` guards on a per-instance ``forward``'s identity, so each decoder layer
+    was compiled again until the recompile limit (8) left the rest eager (0.5B dims, Z3: +0.6 GB of saved activations,
+    +30-40 s in the first step). Under autocast it casts as autocast casts ``F.linear``."""
 
-    def __init__(self, module: nn.Linear) -> None:
-        self.module = module
-
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        m = self.module
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         device = h.device.type
         if torch.is_autocast_enabled(device):
             dtype = torch.get_autocast_dtype(device)
             with torch.autocast(device, enabled=False):
-                return _RankRowsGrad.apply(h.to(dtype), m.weight.to(dtype),
-                                           None if m.bias is None else m.bias.to(dtype))
-        return _RankRowsGrad.apply(h, m.weight, m.bias)
+                return _RankRowsGrad.apply(h.to(dtype), self.weight.to(dtype),
+                                           None if self.bias is None else self.bias.to(dtype))
+        return _RankRowsGrad.apply(h, self.weight, self.bias)
 
 
 def up_projections(model: nn.Module) -> list[nn.Linear]:
-    """``peft``'s LoRA up-projections (``lora_B``) in ``model`` that are plain ``nn.Linear``."""
+    """``peft``'s LoRA up-projections (``lora_B``) in ``model`` that are plain ``nn.Linear`` (or already
+    :class:`TransposedUpLinear`)."""
     found = []
     for module in model.modules():
         ups = getattr(module, "lora_B", None)
         if isinstance(ups, nn.ModuleDict):
-            found += [up for up in ups.values() if type(up) is nn.Linear]
+            found += [up for up in ups.values() if type(up) in (nn.Linear, TransposedUpLinear)]
     return found
 
 
@@ -88,12 +88,7 @@ def set_up_grad(model: nn.Module, mode: str) -> int:
                          "choose_up_grad)")
     ups = up_projections(model)
     for up in ups:
-        if mode == "transposed" and not getattr(up, _ATTR, False):
-            up.forward = _TransposedUpForward(up)
-            setattr(up, _ATTR, True)
-        elif mode == "standard" and getattr(up, _ATTR, False):
-            del up.forward  # the class's nn.Linear.forward again
-            delattr(up, _ATTR)
+        up.__class__ = TransposedUpLinear if mode == "transposed" else nn.Linear
     return len(ups)
 
 
@@ -127,4 +122,4 @@ def choose_up_grad(model: nn.Module, device: torch.device | str = "cpu", tokens:
                    {"standard": run("standard"), "transposed": run("transposed")}, default="standard")
 
 
-__all__ = ["UP_GRADS", "choose_up_grad", "set_up_grad", "up_projections"]
+__all__ = ["UP_GRADS", "TransposedUpLinear", "choose_up_grad", "set_up_grad", "up_projections"]

@@ -78,6 +78,35 @@ class LiveTensorTracker(TorchDispatchMode):
         return out
 
 
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm.default: 0, _aten.bmm.default: 0, _aten.addmm.default: 1, _aten.baddbmm.default: 1}
+_MATMULS_INTO = {_aten.mm.out: "out", _aten.bmm.out: "out", _aten.addmm.out: "out", _aten.addmm_.default: 0,
+                 _aten.baddbmm_.default: 0}
+
+
+class SkipMatmuls(TorchDispatchMode):
+    """Matrix products return zeros of their result's shape and dtype instead of computing it: the same tensors are
+    allocated (a product always makes a new one, or writes into the one it is given), none of the FLOPs are spent.
+
+    For measurements of bytes whose values do not matter (:func:`lit_speed.memory.rss_estimate.probe_scaled`): at
+    Qwen2.5-0.5B dims the probe's steps were mostly the LM head's products at the real vocabulary. Entered *inside* a
+    :class:`LiveTensorTracker`, the tracker sees each zero-filled result as the product it stands for. Zeros keep
+    every later kernel on its finite-value path. What differs from a real step: anything whose sizes depend on
+    values (a mixture-of-experts router's token counts per expert; their sum is the same).
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        into = _MATMULS_INTO.get(func)
+        if into is not None:  # written into a given tensor (out=, in place): nothing new, nothing to compute
+            return kwargs[into] if isinstance(into, str) else args[into]
+        first = _MATMULS.get(func)
+        if first is None:
+            return func(*args, **kwargs)
+        a, b = args[first], args[first + 1]
+        return torch.zeros((*a.shape[:-1], b.shape[-1]), dtype=a.dtype, device=a.device)
+
+
 def _has_storage(t: Any) -> bool:
     """A tensor with memory of its own: not a meta tensor, not a wrapper subclass (e.g. torchao's quantised optimizer
     states, whose ``codes`` and ``scale`` hold the bytes and are seen as they are made)."""

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from lit_speed.memory.memory_tracker import LiveTensorTracker
+from lit_speed.memory.memory_tracker import LiveTensorTracker, SkipMatmuls
 
 #: Peak RSS over (process + model state + the step's tracked tensors), as measured on the real-size runs of
 #: ``benchmarks/bench_real_size.py`` (the C allocator keeps freed blocks; RSS also counts pages of the read weights).
@@ -82,7 +82,7 @@ def _plane(points: dict[tuple[int, int], float]) -> tuple[float, float, float]:
 def probe_scaled(build: Callable[[int, int], nn.Module], step: Callable[[nn.Module, torch.Tensor], torch.Tensor],
                  autocast: contextlib.AbstractContextManager | Callable[[], contextlib.AbstractContextManager] =
                  contextlib.nullcontext, tokens: tuple[int, int] = PROBE_TOKENS,
-                 vocab: int | None = None) -> ScaledProbe:
+                 vocab: int | None = None, skip_matmuls: bool = True) -> ScaledProbe:
     """Measure one training step of ``build(layers, vocab)`` on windows of ``tokens`` tokens (two lengths; a model
     with fewer positions than :data:`PROBE_TOKENS` gets shorter ones).
 
@@ -96,6 +96,9 @@ def probe_scaled(build: Callable[[int, int], nn.Module], step: Callable[[nn.Modu
             checkpointing), in train mode.
         step: ``(model, token ids (1, T)) -> loss``.
         autocast: A context (factory) the forward runs in (the run's precision).
+        skip_matmuls: Matrix products return zeros of their shape instead of computing
+            (:class:`~lit_speed.memory.memory_tracker.SkipMatmuls`): the same bytes, measured without the FLOPs (at
+            Qwen2.5-0.5B dims the probe's time was mostly the LM head's products at the real vocabulary).
     """
     const: dict[tuple[int, int], float] = {}
     slope: dict[tuple[int, int], float] = {}
@@ -113,7 +116,7 @@ def probe_scaled(build: Callable[[int, int], nn.Module], step: Callable[[nn.Modu
             model.zero_grad(set_to_none=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                with LiveTensorTracker() as tracker:
+                with LiveTensorTracker() as tracker, SkipMatmuls() if skip_matmuls else contextlib.nullcontext():
                     with (autocast() if callable(autocast) else autocast):
                         loss = step(model, ids)
                     forward_peaks.append(tracker.peak_bytes)

@@ -35,3 +35,28 @@ def test_reset_peak_and_backward_counted():
 def test_tensor_bytes_counts_shared_storage_once():
     t = torch.zeros(10, 10)
     assert tensor_bytes([t, t[0], {"k": t.t()}]) == 400
+
+
+def test_skip_matmuls_allocates_what_the_products_allocate_and_computes_none():
+    from lit_speed.memory.memory_tracker import SkipMatmuls
+
+    a, b = torch.ones(8, 5), torch.ones(5, 3)
+    bias, batch_a, batch_b = torch.ones(3), torch.ones(2, 8, 5), torch.ones(2, 5, 3, dtype=torch.float32)
+
+    def products():
+        out = torch.empty(8, 3)
+        torch.mm(a, b, out=out)  # into a given tensor: nothing new
+        acc = torch.ones(8, 3)
+        acc.addmm_(a, b)         # in place
+        return [a @ b, torch.addmm(bias, a, b), torch.bmm(batch_a, batch_b), torch.baddbmm(batch_b[:, :1], batch_a,
+                batch_b), out, acc]
+
+    with LiveTensorTracker() as real:
+        expected = products()
+    with LiveTensorTracker() as skipped, SkipMatmuls():
+        got = products()
+    assert skipped.peak_bytes == real.peak_bytes > 0
+    for e, g in zip(expected, got):
+        assert g.shape == e.shape and g.dtype == e.dtype and g.stride() == e.stride()
+    assert all(g.abs().sum() == 0 for g in got[:4]) and got[5].eq(1).all()  # nothing was computed (ones @ ones != 0)
+    assert expected[0].eq(5).all()
