@@ -48,11 +48,12 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _kind(module: nn.Module) -> str | None:
-    if type(module) is nn.Linear:
+    cls = getattr(type(module), "_lit_speed_base_class", type(module))  # a lowered module: its class before
+    if cls is nn.Linear:
         return "linear"
-    if type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor):
+    if cls.__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor):
         return "conv1d"  # Hugging Face GPT-2's Linear: weight [in, out], y = x @ W + b
-    if type(module) is nn.Embedding:
+    if cls is nn.Embedding:
         return "embedding"
     return None
 
@@ -107,30 +108,36 @@ def quantize_int8(weight: torch.Tensor, channel_dim: int) -> tuple[torch.Tensor,
     return q, scale
 
 
-class _LowPrecisionForward:
-    """Replaces ``forward`` on the instance (``state_dict`` keys unchanged); ``compute`` may change after wrapping.
+def _low_precision_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``forward`` of a lowered module (its class is a subclass made by :func:`_lowered_class`): what it computes is
+    read from plain attributes (``_lit_speed_kind``, ``_lit_speed_compute``, ``held_weight_scale``), so one
+    ``torch.compile`` graph serves every decoder layer (a ``forward`` object per instance made it guard on each
+    object's identity and compile each layer again, up to its recompile limit)."""
+    kind, scale = self._lit_speed_kind, getattr(self, "held_weight_scale", None)
+    if kind == "embedding":  # gather the low-precision rows, then float32 activations
+        rows = F.embedding(x, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                           self.sparse).float()
+        return rows if scale is None else rows * F.embedding(x, scale)
+    device = x.device.type
+    if self._lit_speed_compute == "bf16" or torch.is_autocast_enabled(device):
+        # the matmul in bf16 (autocast's dtype under a mixed mode casts the same way), the result in x's dtype
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.bfloat16
+        w = dequantized(self.weight, scale, dtype)
+        b = None if self.bias is None else self.bias.to(dtype)
+        y = F.linear(x.to(dtype), w.t() if kind == "conv1d" else w, b)
+        return y if torch.is_autocast_enabled(device) else y.to(x.dtype)
+    return _UpcastMatmul.apply(x, self.weight, self.bias, kind == "conv1d", scale)
 
-    It keeps a reference to its module (not a bound method), so ``copy.deepcopy`` copies it along."""
 
-    def __init__(self, module: nn.Module, kind: str, compute: str, scale: torch.Tensor | None = None) -> None:
-        self.module, self.kind, self.compute = module, kind, compute
-        self.scale = scale  # int8 weights: float32, one per output channel (shaped to broadcast over the weight)
+_LOWERED_CLASSES: dict[type, type] = {}
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.module
-        if self.kind == "embedding":  # gather the low-precision rows, then float32 activations
-            rows = F.embedding(x, m.weight, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq,
-                               m.sparse).float()
-            return rows if self.scale is None else rows * F.embedding(x, self.scale)
-        device = x.device.type
-        if self.compute == "bf16" or torch.is_autocast_enabled(device):
-            # the matmul in bf16 (autocast's dtype under a mixed mode casts the same way), the result in x's dtype
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.bfloat16
-            w = dequantized(m.weight, self.scale, dtype)
-            b = None if m.bias is None else m.bias.to(dtype)
-            y = F.linear(x.to(dtype), w.t() if self.kind == "conv1d" else w, b)
-            return y if torch.is_autocast_enabled(device) else y.to(x.dtype)
-        return _UpcastMatmul.apply(x, m.weight, m.bias, self.kind == "conv1d", self.scale)
+
+def _lowered_class(cls: type) -> type:
+    """The subclass of ``cls`` a lowered module becomes in place (one per class, so compiled code matches all)."""
+    if cls not in _LOWERED_CLASSES:
+        _LOWERED_CLASSES[cls] = type(f"LowPrecision{cls.__name__}", (cls,), {
+            "forward": _low_precision_forward, "_lit_speed_base_class": cls, "__module__": __name__})
+    return _LOWERED_CLASSES[cls]
 
 
 @dataclass
@@ -187,7 +194,8 @@ def lower_frozen_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16, com
                 weight.data = weight.data.to(dtype)
             after += weight.numel() * weight.element_size()
             lowered[id(weight)] = weight
-        module.forward = _LowPrecisionForward(module, kind, compute, scales.get(id(weight)))
+        module.__class__ = _lowered_class(type(module))
+        module._lit_speed_kind, module._lit_speed_compute = kind, compute
         if id(weight) in scales:  # the contract for code that reads .weight itself (the chunked LM loss)
             module.held_weight_scale = scales[id(weight)]
         setattr(module, _ATTR, True)
@@ -201,7 +209,7 @@ def set_base_compute(model: nn.Module, compute: str) -> int:
         raise ValueError(f"set_base_compute(compute={compute!r}): one of {', '.join(COMPUTE_DTYPES)}")
     wrapped = [m for m in model.modules() if getattr(m, _ATTR, False)]
     for module in wrapped:
-        module.forward.compute = compute
+        module._lit_speed_compute = compute
     return len(wrapped)
 
 
@@ -209,10 +217,10 @@ def unwrap_frozen_base(model: nn.Module) -> int:
     """Remove the forward wrappers of :func:`lower_frozen_base` (the weights keep their dtype); returns how many."""
     wrapped = [m for m in model.modules() if getattr(m, _ATTR, False)]
     for module in wrapped:
-        del module.forward
-        delattr(module, _ATTR)
-        if hasattr(module, "held_weight_scale"):
-            del module.held_weight_scale
+        module.__class__ = type(module)._lit_speed_base_class
+        for name in (_ATTR, "_lit_speed_kind", "_lit_speed_compute", "held_weight_scale"):
+            if name in vars(module):
+                delattr(module, name)
     return len(wrapped)
 
 
@@ -221,15 +229,17 @@ def dequantize_frozen_base(model: nn.Module) -> int:
     scale``), bf16 ones stay bf16 (their float32 values are exact), the forward wrappers go. For a copy of one layer
     before merging its adapters (the export); returns how many modules were unwrapped."""
     for module in model.modules():
-        if getattr(module, _ATTR, False) and module.forward.scale is not None and module.weight.dtype == torch.int8:
-            module.weight.data = dequantized(module.weight.data, module.forward.scale, torch.float32)
+        scale = getattr(module, "held_weight_scale", None)
+        if getattr(module, _ATTR, False) and scale is not None and module.weight.dtype == torch.int8:
+            module.weight.data = dequantized(module.weight.data, scale, torch.float32)
     return unwrap_frozen_base(model)
 
 
 def int8_scales(model: nn.Module) -> dict[int, torch.Tensor]:
     """``id(weight) -> scale`` of ``model``'s int8-held frozen weights (tied weights once)."""
-    return {id(m.weight): m.forward.scale for m in model.modules()
-            if getattr(m, _ATTR, False) and m.forward.scale is not None and m.weight.dtype == torch.int8}
+    return {id(m.weight): m.held_weight_scale for m in model.modules()
+            if getattr(m, _ATTR, False) and getattr(m, "held_weight_scale", None) is not None
+            and m.weight.dtype == torch.int8}
 
 
 def upcast_unlowered(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
@@ -261,7 +271,7 @@ def frozen_base_bytes(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
 
 def _largest_linear(model: nn.Module) -> tuple[int, int] | None:
     shapes = [tuple(m.weight.shape) for m in model.modules() if getattr(m, _ATTR, False)
-              and m.forward.kind != "embedding"]
+              and m._lit_speed_kind != "embedding"]
     return max(shapes, key=lambda s: s[0] * s[1]) if shapes else None
 
 
@@ -290,12 +300,13 @@ def choose_base_compute(model: nn.Module, device: torch.device | str = "cpu", to
     probe = nn.Linear(in_features, out_features, bias=False, device=device)
     probe.weight.requires_grad_(False)
     probe.weight.data = w
+    probe.__class__ = _lowered_class(nn.Linear)
+    probe._lit_speed_kind = "linear"
 
     def run(compute: str) -> Callable[[], Any]:
-        forward = _LowPrecisionForward(probe, "linear", compute)
-
         def call() -> None:
-            forward(x).sum().backward()
+            probe._lit_speed_compute = compute
+            probe(x).sum().backward()
             x.grad = None
         return call
 

@@ -164,3 +164,21 @@ def test_through_the_runner_the_choice_is_in_the_summary_and_the_start_up_table(
                               "peft.up_grad=transposed"]))
     assert summary["components"]["PEFTAdapters"]["up_grad"] == "transposed"
     assert summary["startup"]["adapter gradients"] == "up-projections transposed"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+def test_on_the_gpu_auto_times_both_and_the_gradients_are_nn_linears():
+    model = _lora_gpt().cuda()
+    decision = choose_up_grad(model, "cuda", tokens=2048)
+    assert set(decision.times) == {"standard", "transposed"} and all(t and t > 0 for t in decision.times.values())
+    twin = copy.deepcopy(model)
+    set_up_grad(twin, "transposed")
+    torch.manual_seed(1)
+    x = torch.randint(0, 97, (4, 16), device="cuda")
+    grads = []
+    for m in (model, twin):
+        loss = m._loss((x, torch.roll(x, -1, 1)))
+        grads.append(torch.autograd.grad(loss, [p for p in m.parameters() if p.requires_grad]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

@@ -185,6 +185,8 @@ def test_wrappers_come_off_and_compute_can_change():
     lower_frozen_base(model)
     assert set_base_compute(model, "bf16") == 11  # 10 tensors; wte and the tied lm_head are two modules
     assert unwrap_frozen_base(model) == 11 and not any("forward" in vars(m) for m in model.modules())
+    assert {type(m) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))} == {
+        torch.nn.Linear, torch.nn.Embedding}  # the classes they had
     with pytest.raises(ValueError, match=r"set_base_compute\(compute='fp16'\): one of fp32, bf16"):
         set_base_compute(model, "fp16")
 
@@ -217,3 +219,27 @@ def test_through_the_runner_a_resume_keeps_the_compute_choice_and_another_base_d
     summary = train(make_cfg([*base, "peft.base_dtype=bf16", "precision=bf16-mixed", "trainer.max_epochs=2",
                               f"ckpt_path={checkpoint}"]))
     assert summary["global_step"] == 4 and summary["components"]["PEFTAdapters"]["base_compute"] == "bf16"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+def test_compiled_blocks_share_one_graph_as_with_a_float32_base(dtype):
+    """A lowered module's class, not a ``forward`` object per instance, carries the low-precision path: compiled
+    blocks then share their graphs as a float32 base's do (per-instance objects made torch.compile guard on each one's
+    identity and compile each block again, until its recompile limit left the rest eager)."""
+    from torch._dynamo.utils import counters
+
+    def graphs(lower):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = GPTModule(**{**SIZES, "n_layer": 3})
+        add_adapters(model, "lora", ["all-linear"], r=4, options={"init_lora_weights": False})
+        if lower:
+            lower_frozen_base(model, dtype)
+        for block in model.model.blocks:
+            block.compile(backend="aot_eager")
+        for _ in range(2):
+            _lora_grads(model)
+        return counters["stats"]["unique_graphs"]
+
+    assert graphs(lower=True) == graphs(lower=False) < 6

@@ -39,7 +39,7 @@ def test_int8_holds_a_quarter_of_the_bytes_and_every_weight_within_half_a_step()
     scales = int8_scales(model)
     # wte(=lm_head) + wpe + 4 base Linear weights per block x 2 blocks; the tied head shares the embedding's scales
     assert lowered.tensors == 10 == len(scales)
-    assert model.model.lm_head.forward.scale is model.model.wte.forward.scale
+    assert model.model.lm_head.held_weight_scale is model.model.wte.held_weight_scale
     rows = sum(s.numel() for s in scales.values())
     assert lowered.bytes_before == before and held == before // 4 and lowered.bytes_after == held + 4 * rows
     for name, p in model.named_parameters():
@@ -75,7 +75,7 @@ def test_gpt2_conv1d_is_quantized_per_output_column_and_its_input_gradient_is_th
     layer.weight.requires_grad_(False)
     reference = copy.deepcopy(layer)
     lower_frozen_base(torch.nn.Sequential(layer), torch.int8)
-    scale = layer.forward.scale
+    scale = layer.held_weight_scale
     assert layer.weight.dtype == torch.int8 and scale.shape == (1, 24)  # one scale per output column
     with torch.no_grad():
         reference.weight.copy_(layer.weight.float() * scale)

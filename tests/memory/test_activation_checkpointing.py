@@ -111,3 +111,26 @@ def test_offload_lowers_cuda_memory():
         model.zero_grad(set_to_none=True)
         restore_modules(model)
     assert peaks[1] < peaks[0]
+
+
+def test_compiled_checkpointed_blocks_share_one_graph(gpt_and_batch):
+    """Compiled checkpointed blocks share their graphs as plain ones do: the per-instance ``forward`` object does not
+    make torch.compile compile each block again (unlike the frozen base's and the LoRA up-projection's first
+    versions, which did: tests/finetune)."""
+    from torch._dynamo.utils import counters
+
+    model, x = gpt_and_batch
+
+    def graphs(checkpointed):
+        torch._dynamo.reset()
+        counters.clear()
+        twin = copy.deepcopy(model)
+        if checkpointed:
+            checkpoint_modules(twin, [Block])
+        for block in twin.blocks:
+            block.compile(backend="aot_eager")
+        for _ in range(2):
+            twin(x).float().pow(2).mean().backward()
+        return counters["stats"]["unique_graphs"]
+
+    assert graphs(True) == graphs(False) < TINY_GPT["n_layer"]
