@@ -48,7 +48,7 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _kind(module: nn.Module) -> str | None:
-    cls = getattr(type(module), "_lit_speed_base_class", type(module))  # a lowered module: its class before
+    cls = getattr(type(module), "lit_speed_base_class", type(module))  # a lowered module: its class before
     if cls is nn.Linear:
         return "linear"
     if cls.__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor):
@@ -110,16 +110,16 @@ def quantize_int8(weight: torch.Tensor, channel_dim: int) -> tuple[torch.Tensor,
 
 def _low_precision_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``forward`` of a lowered module (its class is a subclass made by :func:`_lowered_class`): what it computes is
-    read from plain attributes (``_lit_speed_kind``, ``_lit_speed_compute``, ``held_weight_scale``), so one
+    read from plain attributes (``lit_speed_kind``, ``lit_speed_compute``, ``held_weight_scale``), so one
     ``torch.compile`` graph serves every decoder layer (a ``forward`` object per instance made it guard on each
     object's identity and compile each layer again, up to its recompile limit)."""
-    kind, scale = self._lit_speed_kind, getattr(self, "held_weight_scale", None)
+    kind, scale = self.lit_speed_kind, getattr(self, "held_weight_scale", None)
     if kind == "embedding":  # gather the low-precision rows, then float32 activations
         rows = F.embedding(x, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
                            self.sparse).float()
         return rows if scale is None else rows * F.embedding(x, scale)
     device = x.device.type
-    if self._lit_speed_compute == "bf16" or torch.is_autocast_enabled(device):
+    if self.lit_speed_compute == "bf16" or torch.is_autocast_enabled(device):
         # the matmul in bf16 (autocast's dtype under a mixed mode casts the same way), the result in x's dtype
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.bfloat16
         w = dequantized(self.weight, scale, dtype)
@@ -136,7 +136,7 @@ def _lowered_class(cls: type) -> type:
     """The subclass of ``cls`` a lowered module becomes in place (one per class, so compiled code matches all)."""
     if cls not in _LOWERED_CLASSES:
         _LOWERED_CLASSES[cls] = type(f"LowPrecision{cls.__name__}", (cls,), {
-            "forward": _low_precision_forward, "_lit_speed_base_class": cls, "__module__": __name__})
+            "forward": _low_precision_forward, "lit_speed_base_class": cls, "__module__": __name__})
     return _LOWERED_CLASSES[cls]
 
 
@@ -162,7 +162,7 @@ def lower_frozen_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16, com
     Args:
         model: Any module, after its adapters are in place (only tensors that do not require grad are lowered).
         dtype: The storage dtype: ``torch.bfloat16``, or ``torch.int8`` (with a float32 scale per output channel,
-            kept by the module's forward wrapper; tied weights share one).
+            kept in the module's ``held_weight_scale``; tied weights share one).
         compute: ``fp32`` (cast each weight for its own matmul) or ``bf16`` (native bf16 matmuls); see
             :func:`set_base_compute` to change it later.
 
@@ -195,7 +195,7 @@ def lower_frozen_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16, com
             after += weight.numel() * weight.element_size()
             lowered[id(weight)] = weight
         module.__class__ = _lowered_class(type(module))
-        module._lit_speed_kind, module._lit_speed_compute = kind, compute
+        module.lit_speed_kind, module.lit_speed_compute = kind, compute
         if id(weight) in scales:  # the contract for code that reads .weight itself (the chunked LM loss)
             module.held_weight_scale = scales[id(weight)]
         setattr(module, _ATTR, True)
@@ -209,16 +209,17 @@ def set_base_compute(model: nn.Module, compute: str) -> int:
         raise ValueError(f"set_base_compute(compute={compute!r}): one of {', '.join(COMPUTE_DTYPES)}")
     wrapped = [m for m in model.modules() if getattr(m, _ATTR, False)]
     for module in wrapped:
-        module._lit_speed_compute = compute
+        module.lit_speed_compute = compute
     return len(wrapped)
 
 
 def unwrap_frozen_base(model: nn.Module) -> int:
-    """Remove the forward wrappers of :func:`lower_frozen_base` (the weights keep their dtype); returns how many."""
+    """Give the modules :func:`lower_frozen_base` changed their classes back (the weights keep their dtype); returns
+    how many."""
     wrapped = [m for m in model.modules() if getattr(m, _ATTR, False)]
     for module in wrapped:
-        module.__class__ = type(module)._lit_speed_base_class
-        for name in (_ATTR, "_lit_speed_kind", "_lit_speed_compute", "held_weight_scale"):
+        module.__class__ = type(module).lit_speed_base_class
+        for name in (_ATTR, "lit_speed_kind", "lit_speed_compute", "held_weight_scale"):
             if name in vars(module):
                 delattr(module, name)
     return len(wrapped)
@@ -271,7 +272,7 @@ def frozen_base_bytes(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
 
 def _largest_linear(model: nn.Module) -> tuple[int, int] | None:
     shapes = [tuple(m.weight.shape) for m in model.modules() if getattr(m, _ATTR, False)
-              and m._lit_speed_kind != "embedding"]
+              and m.lit_speed_kind != "embedding"]
     return max(shapes, key=lambda s: s[0] * s[1]) if shapes else None
 
 
@@ -301,11 +302,11 @@ def choose_base_compute(model: nn.Module, device: torch.device | str = "cpu", to
     probe.weight.requires_grad_(False)
     probe.weight.data = w
     probe.__class__ = _lowered_class(nn.Linear)
-    probe._lit_speed_kind = "linear"
+    probe.lit_speed_kind = "linear"
 
     def run(compute: str) -> Callable[[], Any]:
         def call() -> None:
-            probe._lit_speed_compute = compute
+            probe.lit_speed_compute = compute
             probe(x).sum().backward()
             x.grad = None
         return call

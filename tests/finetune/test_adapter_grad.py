@@ -51,6 +51,7 @@ def test_every_adapter_gradient_equals_nn_linears(autocast):
         torch.testing.assert_close(got[name], expected[name], rtol=tol, atol=tol * 1e-2, msg=name)
 
 
+@pytest.mark.slow  # compiles (aot_eager) twice: ~5-8 s
 def test_compiled_layers_trace_it_once_for_every_layer_and_give_the_same_gradients():
     """One compiled graph serves every block, as with nn.Linear: a ``forward`` replaced per instance made torch.compile
     guard on each object and compile each layer again (at 24 layers the recompile limit left 16 of them eager)."""

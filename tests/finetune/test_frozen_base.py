@@ -221,6 +221,7 @@ def test_through_the_runner_a_resume_keeps_the_compute_choice_and_another_base_d
     assert summary["global_step"] == 4 and summary["components"]["PEFTAdapters"]["base_compute"] == "bf16"
 
 
+@pytest.mark.slow  # compiles (aot_eager) twice: ~5-8 s
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
 def test_compiled_blocks_share_one_graph_as_with_a_float32_base(dtype):
     """A lowered module's class, not a ``forward`` object per instance, carries the low-precision path: compiled

@@ -113,6 +113,7 @@ def test_offload_lowers_cuda_memory():
     assert peaks[1] < peaks[0]
 
 
+@pytest.mark.slow  # compiles (aot_eager) twice: ~5-8 s
 def test_compiled_checkpointed_blocks_share_one_graph(gpt_and_batch):
     """Compiled checkpointed blocks share their graphs as plain ones do: the per-instance ``forward`` object does not
     make torch.compile compile each block again (unlike the frozen base's and the LoRA up-projection's first
