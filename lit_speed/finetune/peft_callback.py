@@ -288,7 +288,7 @@ class PEFTAdapters(Callback):
         if self.base_dtype is not None and state_dict.get("base_compute"):
             self.chosen_compute = state_dict["base_compute"]  # the same numerics as before the interruption
             self.compute_reason = "restored from the checkpoint (not timed again)"
-        if state_dict.get("up_grad"):  # the same kernels as before the interruption
+        if state_dict.get("up_grad") and self.up_grad == "auto":  # the same kernels as before the interruption
             self.chosen_up_grad, self.up_grad_reason = state_dict["up_grad"], "restored from the checkpoint"
 
     # ---- export -------------------------------------------------------------------------------------------

@@ -156,6 +156,9 @@ def test_auto_decides_at_fit_start_and_a_resumed_callback_keeps_the_choice(monke
     trainer.fit(model, datamodule=_Loader())
     assert resumed.chosen_up_grad == "transposed" and resumed.up_grad_reason == "restored from the checkpoint"
     assert all(type(up) is TransposedUpLinear for up in up_projections(model))
+    explicit = PEFTAdapters(export=False, up_grad="standard")  # a setting given on resume is not overridden
+    explicit.load_state_dict(callback.state_dict())
+    assert explicit.chosen_up_grad is None  # decided at fit start: "requested"
 
 
 def test_through_the_runner_the_choice_is_in_the_summary_and_the_start_up_table(make_cfg):

@@ -56,6 +56,7 @@ print(faults() - start)
 """
 
 
+@pytest.mark.slow  # ~26 s (two processes fault in large blocks); the default tier ran 10:12-10:42 on Z3
 @pytest.mark.skipif(glibc() is None, reason="mallopt is glibc's: this machine's C library is not glibc")
 def test_kept_memory_serves_the_next_large_blocks_without_page_faults():
     faults = {mode: int(subprocess.run([sys.executable, "-c", FAULTS, mode], cwd=ROOT, capture_output=True, text=True,
