@@ -12,7 +12,6 @@ predicts are the same. Result: ``benchmarks/results/fit_check.json`` and a dated
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -32,8 +31,6 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    import lit_speed.memory.rss_estimate as rss
-    from lit_speed.memory.memory_tracker import SkipMatmuls
     from lit_speed.run import fit_check
 
     print("machine:", machine().get("cpu"), flush=True)
@@ -48,14 +45,12 @@ def main() -> None:
         facts = fit_check.run_facts(cfg, folder, levers)
         row: dict[str, list] = {"skip_s": [], "compute_s": [], "step_bytes": []}
         for mode in ("skip", "compute", "skip"):
-            rss.SkipMatmuls = SkipMatmuls if mode == "skip" else contextlib.nullcontext  # what probe_scaled enters
             start = time.perf_counter()
-            probe = fit_check._probe(cfg, facts, levers)[0]
+            probe = fit_check._probe(cfg, facts, levers, skip_matmuls=mode == "skip")[0]
             row[f"{mode}_s"].append(round(time.perf_counter() - start, 2))
             row["step_bytes"].append(probe.step_bytes(facts.layers, facts.vocab, facts.tokens))
-            print(f"{peft}: probe, products {'skipped' if mode == 'skip' else 'computed'}: {row[f'{mode}_s'][-1]} s, step bytes "
-                  f"{row['step_bytes'][-1]:,}", flush=True)
-        rss.SkipMatmuls = SkipMatmuls
+            print(f"{peft}: probe, products {'skipped' if mode == 'skip' else 'computed'}: {row[f'{mode}_s'][-1]} s, "
+                  f"step bytes {row['step_bytes'][-1]:,}", flush=True)
         row["same_bytes"] = len(set(row["step_bytes"])) == 1
         results["lora" if peft == "lora" else "full"] = row
     line = "; ".join(f"{name}: probe {min(r['compute_s'])} s computed, {' / '.join(map(str, r['skip_s']))} s skipped, "

@@ -40,7 +40,6 @@ from torch import nn
 from lit_speed.compat.torch import cpu_has_native_bf16
 from lit_speed.tuning import Decision, measured_choice
 
-_ATTR = "_lit_speed_low_precision"
 BASE_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
 INT8_MAX = 127
 COMPUTES = ("auto", "fp32", "bf16")
@@ -132,6 +131,11 @@ def _low_precision_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 _LOWERED_CLASSES: dict[type, type] = {}
 
 
+def _is_lowered(module: nn.Module) -> bool:
+    """Whether :func:`lower_frozen_base` gave ``module`` its low-precision class."""
+    return getattr(type(module), "lit_speed_base_class", None) is not None
+
+
 def _lowered_class(cls: type) -> type:
     """The subclass of ``cls`` a lowered module becomes in place (one per class, so compiled code matches all)."""
     if cls not in _LOWERED_CLASSES:
@@ -180,7 +184,7 @@ def lower_frozen_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16, com
     for name, module in model.named_modules():
         kind = _kind(module)
         weight = getattr(module, "weight", None)
-        eligible = kind is not None and not getattr(module, _ATTR, False) and isinstance(weight, nn.Parameter) \
+        eligible = kind is not None and not _is_lowered(module) and isinstance(weight, nn.Parameter) \
             and not weight.requires_grad and weight.dim() >= 2
         # floating, or a tied weight an earlier module of this call quantized (an LM head tied to its embedding)
         if not eligible or not (weight.is_floating_point() or id(weight) in scales):
@@ -198,7 +202,6 @@ def lower_frozen_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16, com
         module.lit_speed_kind, module.lit_speed_compute = kind, compute
         if id(weight) in scales:  # the contract for code that reads .weight itself (the chunked LM loss)
             module.held_weight_scale = scales[id(weight)]
-        setattr(module, _ATTR, True)
         names.append(name)
     return LoweredBase(len(lowered), before, after, names)
 
@@ -207,7 +210,7 @@ def set_base_compute(model: nn.Module, compute: str) -> int:
     """Make every lowered module of ``model`` compute in ``compute`` (``fp32`` or ``bf16``); returns how many."""
     if compute not in COMPUTE_DTYPES:
         raise ValueError(f"set_base_compute(compute={compute!r}): one of {', '.join(COMPUTE_DTYPES)}")
-    wrapped = [m for m in model.modules() if getattr(m, _ATTR, False)]
+    wrapped = [m for m in model.modules() if _is_lowered(m)]
     for module in wrapped:
         module.lit_speed_compute = compute
     return len(wrapped)
@@ -216,10 +219,10 @@ def set_base_compute(model: nn.Module, compute: str) -> int:
 def unwrap_frozen_base(model: nn.Module) -> int:
     """Give the modules :func:`lower_frozen_base` changed their classes back (the weights keep their dtype); returns
     how many."""
-    wrapped = [m for m in model.modules() if getattr(m, _ATTR, False)]
+    wrapped = [m for m in model.modules() if _is_lowered(m)]
     for module in wrapped:
         module.__class__ = type(module).lit_speed_base_class
-        for name in (_ATTR, "lit_speed_kind", "lit_speed_compute", "held_weight_scale"):
+        for name in ("lit_speed_kind", "lit_speed_compute", "held_weight_scale"):
             if name in vars(module):
                 delattr(module, name)
     return len(wrapped)
@@ -231,7 +234,7 @@ def dequantize_frozen_base(model: nn.Module) -> int:
     before merging its adapters (the export); returns how many modules were unwrapped."""
     for module in model.modules():
         scale = getattr(module, "held_weight_scale", None)
-        if getattr(module, _ATTR, False) and scale is not None and module.weight.dtype == torch.int8:
+        if _is_lowered(module) and scale is not None and module.weight.dtype == torch.int8:
             module.weight.data = dequantized(module.weight.data, scale, torch.float32)
     return unwrap_frozen_base(model)
 
@@ -239,7 +242,7 @@ def dequantize_frozen_base(model: nn.Module) -> int:
 def int8_scales(model: nn.Module) -> dict[int, torch.Tensor]:
     """``id(weight) -> scale`` of ``model``'s int8-held frozen weights (tied weights once)."""
     return {id(m.weight): m.held_weight_scale for m in model.modules()
-            if getattr(m, _ATTR, False) and getattr(m, "held_weight_scale", None) is not None
+            if _is_lowered(m) and getattr(m, "held_weight_scale", None) is not None
             and m.weight.dtype == torch.int8}
 
 
@@ -247,7 +250,7 @@ def upcast_unlowered(model: nn.Module, dtype: torch.dtype = torch.float32) -> in
     """Cast every floating parameter and buffer of ``model`` held in bf16/fp16 to ``dtype``, except the weights
     :func:`lower_frozen_base` lowered; returns how many tensors changed. A model read in bf16 from a bf16 file (to
     skip a float32 copy of the whole base while loading) becomes the model read in float32 and then lowered."""
-    keep = {id(m.weight) for m in model.modules() if getattr(m, _ATTR, False)}
+    keep = {id(m.weight) for m in model.modules() if _is_lowered(m)}
     changed = 0
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in keep or not tensor.is_floating_point() or tensor.dtype not in (torch.bfloat16, torch.float16):
@@ -271,7 +274,7 @@ def frozen_base_bytes(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 def _largest_linear(model: nn.Module) -> tuple[int, int] | None:
-    shapes = [tuple(m.weight.shape) for m in model.modules() if getattr(m, _ATTR, False)
+    shapes = [tuple(m.weight.shape) for m in model.modules() if _is_lowered(m)
               and m.lit_speed_kind != "embedding"]
     return max(shapes, key=lambda s: s[0] * s[1]) if shapes else None
 

@@ -179,8 +179,7 @@ class PEFTAdapters(Callback):
 
     def _check_base_dtype(self, trainer: "pl.Trainer") -> None:
         """A low-precision base needs float32 module weights around it (adapters in float32) and no ZeRO."""
-        plugin = trainer.precision_plugin
-        mode = str(getattr(plugin, "requested_mode", None) or getattr(plugin, "precision", trainer.precision))
+        mode = _precision_mode(trainer)
         if mode == "auto":
             raise ValueError(f"PEFTAdapters(base_dtype={self.base_dtype}): precision=auto may choose bf16-master, "
                              "which casts the adapters to bf16 too. Fix: precision=32-true or bf16-mixed (the base's "
@@ -212,10 +211,11 @@ class PEFTAdapters(Callback):
         set_base_compute(pl_module, self.chosen_compute)
 
     def _decide_up_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        stage3 = strategy_facts(trainer.strategy).zero_stage == 3
         if self.chosen_up_grad is None:  # not restored from a checkpoint
             if self.up_grad != "auto":
                 self.chosen_up_grad, self.up_grad_reason = self.up_grad, "requested"
-            elif strategy_facts(trainer.strategy).zero_stage == 3:
+            elif stage3:
                 self.chosen_up_grad = "standard"
                 self.up_grad_reason = "ZeRO stage 3 gathers partitioned weights through its own F.linear: not timed"
             else:
@@ -224,7 +224,7 @@ class PEFTAdapters(Callback):
                 if trainer.world_size > 1:  # rank 0 decides for every process
                     decision = trainer.strategy.broadcast(decision, src=0)
                 self.chosen_up_grad, self.up_grad_reason = decision.chosen, decision.reason
-        if self.chosen_up_grad == "transposed" and strategy_facts(trainer.strategy).zero_stage == 3:
+        if self.chosen_up_grad == "transposed" and stage3:
             raise ValueError("PEFTAdapters(up_grad=transposed): not under ZeRO stage 3 (it gathers partitioned weights "
                              "through its own F.linear autograd function). Fix: up_grad=auto, or strategy=zero2")
         modules = set_up_grad(pl_module, self.chosen_up_grad)
@@ -356,8 +356,13 @@ def _tokens_per_batch(trainer: "pl.Trainer", default: int = 2048) -> int:
     return sizes[0] * sizes[1] if all(isinstance(v, int) and v > 0 for v in sizes) else default
 
 
+def _precision_mode(trainer: "pl.Trainer") -> str:
+    """The precision mode the run asked for (lit_speed's plugin keeps ``auto`` as ``requested_mode``)."""
+    plugin = trainer.precision_plugin
+    return str(getattr(plugin, "requested_mode", None) or getattr(plugin, "precision", trainer.precision))
+
+
 def _compute_dtype(trainer: "pl.Trainer") -> torch.dtype:
     """The dtype the adapters' matmuls run in under the run's precision (float32 for ``auto``, its largest case)."""
-    plugin = trainer.precision_plugin
-    mode = str(getattr(plugin, "requested_mode", None) or getattr(plugin, "precision", trainer.precision))
+    mode = _precision_mode(trainer)
     return precision_spec(mode).compute_dtype if mode in PRECISION_MODES else torch.float32

@@ -183,8 +183,9 @@ def _state_bytes(facts: RunFacts, levers: Levers, trainable: list[nn.Parameter])
     return 8.0 if declared is None else float(declared)
 
 
-def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers) -> tuple[Any, float, float]:
-    """The scaled probe of a step with ``levers``; the optimizer step's temporaries and state, bytes per parameter."""
+def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool = True) -> tuple[Any, float, float]:
+    """The scaled probe of a step with ``levers``; the optimizer step's temporaries and state, bytes per parameter.
+    ``skip_matmuls``: see :func:`~lit_speed.memory.rss_estimate.probe_scaled` (``False``: compute the products)."""
     from transformers import AutoModelForCausalLM
 
     from lit_speed.memory.planner import measure_optimizer
@@ -210,7 +211,8 @@ def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers) -> tuple[Any, float
     autocast = functools.partial(torch.autocast, "cpu", dtype=autocast_dtype) if autocast_dtype else \
         contextlib.nullcontext
     probe = probe_scaled(build, lambda m, ids: m.model(input_ids=ids, labels=ids).loss, autocast,
-                         tokens=probe_lengths(facts.config, facts.block), vocab=facts.vocab)
+                         tokens=probe_lengths(facts.config, facts.block), vocab=facts.vocab,
+                         skip_matmuls=skip_matmuls)
     small = models[(1, facts.vocab)]
     _frozen, small_trainable = count_parameters(small)
     trainable_params = [p for p in small.parameters() if p.requires_grad]
