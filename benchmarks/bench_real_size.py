@@ -81,6 +81,9 @@ LIT_LORA: list[str] = ["callbacks=[default,chunked_loss,keep_freed_memory,compil
 LIT_LORA_NOVAL: list[str] = [*LIT_LORA, "validate=false", "trainer.limit_val_batches=0"]
 LIT_FULL: list[str] = ["peft=none", "optimizer=adamw_fused",
                        "callbacks=[default,chunked_loss,keep_freed_memory,compile]", "trainer.num_sanity_val_steps=0"]
+#: full fine-tuning, the Trainer row's job: train, then the trained model's save_pretrained folder (peft=none's
+#: export); no validation and no resumable checkpoint (weights + AdamW state, 6 GB at 0.5B: save_strategy="no" there)
+LIT_FULL_NOVAL: list[str] = [*LIT_FULL, "validate=false", "trainer.limit_val_batches=0", "~callbacks.model_checkpoint"]
 LIT_MEMORY_LORA: list[str] = ["peft.base_dtype=bf16",
                                "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
 LIT_MEMORY_LORA_INT8: list[str] = ["peft.base_dtype=int8", *LIT_MEMORY_LORA[1:]]
@@ -106,6 +109,7 @@ SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
         "lora05/lit_speed_noval": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA_NOVAL),
         "full05/trainer": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "speed"),
         "full05/lit_speed": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL),
+        "full05/lit_speed_noval": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL_NOVAL),
     },
     "memory": {
         "lora1b/trainer": ("lora1b", "llama-3.2-1b", "lora", 16, "trainer", "memory"),

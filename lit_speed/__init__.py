@@ -52,6 +52,7 @@ _EXPORTS = {
     "state_tensors_per_param": "lit_speed.optim.state_cost",
     "InitWeights": "lit_speed.finetune.init_callback",
     "PEFTAdapters": "lit_speed.finetune.peft_callback",
+    "ExportModel": "lit_speed.finetune.export_callback",
     "export_merged": "lit_speed.finetune.export",
     "lower_frozen_base": "lit_speed.finetune.frozen_base",
     "choose_base_compute": "lit_speed.finetune.frozen_base",

@@ -17,8 +17,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ def hf_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in module.named_children() if hasattr(m, "save_pretrained") and hasattr(m, "config")]
 
 
-def check_export_dir(out_dir: str | Path, owner: str = "PEFTAdapters") -> Path:
+def check_export_dir(out_dir: str | Path, owner: str = "PEFTAdapters", what: str = "merged") -> Path:
     """Create ``out_dir`` (and its parents) and prove it writable with a probe file, before any training.
 
     Raises:
@@ -66,7 +67,7 @@ def check_export_dir(out_dir: str | Path, owner: str = "PEFTAdapters") -> Path:
         probe.unlink()
     except OSError as error:
         reason = error.strerror or type(error).__name__
-        raise ValueError(f"{owner}(export_dir={out_dir}): the merged model could not be written there after training "
+        raise ValueError(f"{owner}(export_dir={out_dir}): the {what} model could not be written there after training "
                          f"({reason}: {error.filename or out}). Fix: export_dir=<a folder you can write to> "
                          "(peft.export_dir=...), or export=false (peft.export=false)") from None
     return out
@@ -219,3 +220,19 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: object | Non
             state[key] = _float32(value, scales).clone().contiguous()
     torch.save(state, out / "model.pt")
     return {"state_dict": str(out / "model.pt")}
+
+
+def export_after_fit(trainer: Any, module: nn.Module, out_dir: str | Path,
+                     format: str = "auto") -> tuple[dict[str, str], float] | None:
+    """What the export callbacks run at ``on_fit_end``: :func:`export_merged` of ``module`` on global rank 0, with the
+    module's tokenizer (else the DataModule's, the one the data was tokenized with) beside a Hugging Face model.
+
+    Returns:
+        ``(written, seconds)`` on rank 0 (``written`` as :func:`export_merged` returns it), None on the other ranks.
+    """
+    if not trainer.is_global_zero:
+        return None
+    tokenizer = getattr(module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
+    start = time.perf_counter()
+    written = export_merged(module, out_dir, tokenizer, format)
+    return written, round(time.perf_counter() - start, 3)

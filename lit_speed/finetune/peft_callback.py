@@ -6,14 +6,13 @@ the adapters only, and the library (Hugging Face ``peft``) does the math. The fu
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -27,7 +26,7 @@ from lit_speed.finetune.adapters import (
     frozen_fingerprint,
     parameter_counts,
 )
-from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_merged
+from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_after_fit
 from lit_speed.finetune.frozen_base import (
     BASE_DTYPES,
     COMPUTES,
@@ -298,15 +297,12 @@ class PEFTAdapters(Callback):
         if self.export and not trainer.interrupted:
             self._export(trainer, pl_module)
 
-    @rank_zero_only
     def _export(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         out = self._export_folder(trainer)
-        # the tokenizer goes next to a Hugging Face model: the module's own, else the one the data was tokenized with
-        tokenizer = getattr(pl_module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
-        start = time.perf_counter()
-        self.exported = export_merged(pl_module, out, tokenizer, self.export_format)
-        self.export_seconds = round(time.perf_counter() - start, 3)
-        rank_zero_info(f"PEFTAdapters: merged model written to {out} ({', '.join(sorted(self.exported))})")
+        written = export_after_fit(trainer, pl_module, out, self.export_format)
+        if written is not None:  # rank 0
+            self.exported, self.export_seconds = written
+            rank_zero_info(f"PEFTAdapters: merged model written to {out} ({', '.join(sorted(self.exported))})")
 
     def _export_folder(self, trainer: "pl.Trainer") -> Path:
         return Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "merged"

@@ -234,13 +234,15 @@ def _blank_weights() -> contextlib.AbstractContextManager:
 
 
 def _export_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> int:
-    """Float32 bytes alive at once while the merged model is written after fit (0 without an export): one shard of
-    :data:`~lit_speed.finetune.export.EXPORT_SHARD_BYTES` and the tensor being merged, at most the whole model."""
+    """Float32 bytes alive at once while the trained model is written after fit (0 without an export): one shard of
+    :data:`~lit_speed.finetune.export.EXPORT_SHARD_BYTES` and the tensor being merged, at most the whole model.
+    LoRA's merged export unless ``peft.export=false``; full fine-tuning's (``peft=none``: ExportModel, ``auto`` writes
+    a Hugging Face model's folder, which these runs are) unless ``peft.export=false``."""
     from lit_speed.finetune.export import EXPORT_SHARD_BYTES
 
     peft = cfg.get("peft")
-    configured = target_of(peft).endswith("PEFTAdapters")
-    if not levers.lora or (configured and not peft.get("export", True)):
+    owner = "PEFTAdapters" if levers.lora else "ExportModel"  # the callback that exports with these levers
+    if target_of(peft).endswith(owner) and peft.get("export", True) is False:
         return 0
     return int(min(4 * (facts.frozen + facts.trainable), EXPORT_SHARD_BYTES + 4 * facts.largest))
 

@@ -22,6 +22,7 @@ from lit_speed.precision.modes import AUTO, PLAN_CANDIDATES, TIMED_CANDIDATES
 from lit_speed.run.config_error import ConfigError
 from lit_speed.run.config_rules import configured_processes
 from lit_speed.run.config_targets import CONFIG_DIR
+from lit_speed.run.fit_levers import target_of
 
 #: Micro-batches compared with the configured one when none are named.
 MICRO_BATCHES = (4, 8, 16, 32)
@@ -155,7 +156,7 @@ def plan_run(cfg: DictConfig, overrides: Sequence[str], budget_bytes: int | None
     factory = hydra.utils.instantiate(cfg.optimizer, _convert_="all")
     model = hydra.utils.instantiate(cfg.model, optimizer=factory)
     peft = cfg.get("peft")
-    if peft is not None and "_target_" in peft:  # adapters on a frozen base: fewer gradients and optimizer state
+    if target_of(peft).endswith("PEFTAdapters"):  # adapters on a frozen base: fewer gradients and optimizer state
         hydra.utils.instantiate(peft, export_dir=None).prepare_model(model)  # no run folder here
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))

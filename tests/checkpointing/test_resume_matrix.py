@@ -51,6 +51,8 @@ MID_WINDOW = {"fixed": 14, "ramp": 9, "preset": 7}
 KILL_STEP = {"none": 13, "fixed": 4, "ramp": 7, "preset": 7}
 # options that are a key or a callback rather than a group option (issue 32's memory levers): name -> overrides
 LEVERS = {"peft=lora peft.base_dtype=bf16": DIGITS + ["peft=lora", "peft.base_dtype=bf16"],
+          # full training's export of the trained model after fit (ExportModel; auto exports Hugging Face models only)
+          "peft.export=true": DIGITS + ["peft.export=true"],
           # LoRA's up-projection gradient (peft=lora's row above runs up_grad=auto: decided at fit start, kept on resume)
           "peft=lora peft.up_grad=transposed": DIGITS + ["peft=lora", "peft.up_grad=transposed"],
           "peft=lora peft.base_dtype=int8": DIGITS + ["peft=lora", "peft.base_dtype=int8"],

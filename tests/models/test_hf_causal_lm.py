@@ -96,6 +96,32 @@ def test_lora_on_an_hf_model_trains_and_exports_a_folder_transformers_loads_alon
     assert (tmp_path / "merged" / "hf" / "tokenizer.json").is_file()
 
 
+def test_full_fine_tuning_exports_the_trained_model_as_a_folder_transformers_loads_alone(make_cfg, tmp_path, hf_folder,
+                                                                                       texts):
+    """peft=none (every parameter trains) ends as the Trainer's save_model ends: a save_pretrained folder with the
+    tokenizer, holding the trained weights (those of last.ckpt), not the pretrained ones."""
+    from transformers import AutoModelForCausalLM
+
+    summary = train(make_cfg(_run(hf_folder, texts)))
+    export = summary["components"]["ExportModel"]
+    assert export["exported"] == {"hf": str(tmp_path / "model" / "hf")} and export["export_s"] > 0
+    assert summary["time_split_s"]["export"] == pytest.approx(export["export_s"], abs=0.01)
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "model" / "hf")  # no lit_speed
+    assert (tmp_path / "model" / "hf" / "tokenizer.json").is_file()
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    pretrained = AutoModelForCausalLM.from_pretrained(hf_folder)
+    for name, value in trained.state_dict().items():
+        torch.testing.assert_close(value, ckpt[f"model.{name}"], rtol=0, atol=0)
+    moved = [n for n, v in trained.state_dict().items() if not torch.equal(v, pretrained.state_dict()[n])]
+    assert len(moved) == len(trained.state_dict())  # every weight trained
+
+
+def test_full_fine_tuning_with_export_false_writes_no_model_folder(make_cfg, tmp_path, hf_folder, texts):
+    summary = train(make_cfg(_run(hf_folder, texts, "trainer.max_steps=4", "peft.export=false")))
+    assert not (tmp_path / "model").exists() and summary["components"]["ExportModel"]["exported"] == {}
+    assert summary["components"]["ExportModel"]["reason"] == "off (peft.export=false)"
+
+
 def test_full_fine_tuning_of_an_hf_model_with_activation_checkpointing_by_block_class(make_cfg, hf_folder, texts):
     summary = train(make_cfg(_run(hf_folder, texts, "callbacks=[activation_checkpointing]",
                                   "callbacks.activation_checkpointing.modules=[LlamaDecoderLayer]",

@@ -310,6 +310,16 @@ def test_switching_a_presets_component_runs_or_stops_in_one_line(make_cfg, comma
     (["peft=lora", "peft.method=prefix"], r"peft\.method='prefix': PEFTAdapters\(method='prefix'\): unknown method"),
     (["peft=head_only", "peft.trainable_modules=[]"], r"PEFTAdapters\(method=freeze\): nothing would train\. Fix: "
                                                       r"trainable_modules=\[last-linear\]"),
+    # peft=none's export of the trained model (ExportModel): its values, and hf/ for a model that is not one
+    (["peft.export=maybe"], r"^peft\.export='maybe': ExportModel\(export='maybe'\): one of auto, true, false\. Fix: "
+                            r"export=auto"),
+    (["peft.export_format=onnx"], r"^peft\.export_format='onnx': ExportModel\(export_format='onnx'\): must be one of "
+                                  r"auto, hf, state_dict\. Fix: export_format=auto"),
+    (["peft.export_format=hf"], r"^peft\.export_format='?hf'?: ExportModel\(export_format='hf'\): MLPClassifier holds no "
+                                r"Hugging Face model .*Fix: export_format=auto"),
+    (["peft.export=true", "peft.export_dir=/proc/lit_speed_cannot_write"],
+     r"^peft\.export_dir=/proc/lit_speed_cannot_write: ExportModel\(export_dir=/proc/lit_speed_cannot_write\): the "
+     r"trained model could not be written there after training"),
     (["init=weights", "init.path=/nonexistent/w.pt"], r"init\.path=/nonexistent/w\.pt: InitWeights\(path=/nonexistent"
                                                       r"/w\.pt\): no such file or folder\. Fix: "),
 ])
