@@ -50,7 +50,8 @@ class ExportModel(Callback):
             raise ValueError(f"ExportModel(export_format={export_format!r}): must be one of "
                              f"{', '.join(EXPORT_FORMATS)}. Fix: export_format=auto (hf/ for a Hugging Face model, "
                              "else model.pt)")
-        self.export, self.export_dir, self.export_format = export, export_dir, export_format
+        self.export = export if export == "auto" else bool(export)
+        self.export_dir, self.export_format = export_dir, export_format
         self.active: bool | None = None  # decided at setup, when the model and the strategy are known
         self.reason = "decided at setup"
         self.exported: dict[str, str] = {}
