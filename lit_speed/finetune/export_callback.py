@@ -53,7 +53,7 @@ class ExportModel(Callback):
         self.export = export if export == "auto" else bool(export)
         self.export_dir, self.export_format = export_dir, export_format
         self.active: bool | None = None  # decided at setup, when the model and the strategy are known
-        self.reason = "decided at setup"
+        self.reason = ""
         self.exported: dict[str, str] = {}
         self.export_seconds: float | None = None
 
@@ -96,6 +96,11 @@ class ExportModel(Callback):
         return Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "model"
 
     def describe(self) -> dict[str, str]:
+        if self.active is None:  # the startup table comes before setup
+            folder = self.export_dir or "<run folder>/model"
+            when = {"auto": f"after fit, if a Hugging Face model (save_pretrained folder in {folder}/hf)",
+                    True: f"after fit, to {folder}", False: "off (peft.export=false)"}[self.export]
+            return {"export": f"trained model: {when}"}
         return {"export": f"trained model: {self.reason}"}
 
     def phase_seconds(self) -> dict[str, float]:

@@ -83,3 +83,12 @@ def test_nothing_is_exported_after_an_interrupted_fit_or_on_other_ranks(tmp_path
     trainer.is_global_zero = True
     callback.on_fit_end(trainer, module)
     assert (tmp_path / "model" / "model.pt").is_file() and callback.phase_seconds()["export"] > 0
+
+
+def test_the_startup_table_says_what_auto_will_do_before_setup_and_what_it_does_after(tmp_path):
+    callback = ExportModel(export_dir=str(tmp_path / "out"))
+    assert callback.describe() == {"export": f"trained model: after fit, if a Hugging Face model (save_pretrained "
+                                             f"folder in {tmp_path / 'out'}/hf)"}
+    callback.setup(_trainer(tmp_path), MLPClassifier(), "fit")
+    assert callback.describe()["export"].startswith("trained model: none: the checkpoint is the result")
+    assert ExportModel(export=False).describe() == {"export": "trained model: off (peft.export=false)"}
