@@ -19,6 +19,7 @@ from lit_speed.finetune.init_callback import InitWeights
 from lit_speed.finetune.peft_callback import PEFTAdapters
 from lit_speed.finetune.weights import load_weights, read_state_dict
 
-__all__ = ["ExportModel", "InitWeights", "PEFTAdapters", "add_adapters", "choose_base_compute", "choose_up_grad", "export_merged",
-           "frozen_base_bytes", "load_weights", "lower_frozen_base", "merge_adapters", "module_names_matching",
-           "parameter_counts", "read_state_dict", "set_base_compute", "set_up_grad", "unwrap_frozen_base"]
+__all__ = ["ExportModel", "InitWeights", "PEFTAdapters", "add_adapters", "choose_base_compute", "choose_up_grad",
+           "export_merged", "frozen_base_bytes", "load_weights", "lower_frozen_base", "merge_adapters",
+           "module_names_matching", "parameter_counts", "read_state_dict", "set_base_compute", "set_up_grad",
+           "unwrap_frozen_base"]

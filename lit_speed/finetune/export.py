@@ -222,17 +222,22 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: object | Non
     return {"state_dict": str(out / "model.pt")}
 
 
-def export_after_fit(trainer: Any, module: nn.Module, out_dir: str | Path,
-                     format: str = "auto") -> tuple[dict[str, str], float] | None:
+def export_after_fit(trainer: Any, module: nn.Module, out_dir: str | Path, format: str = "auto",
+                     label: str = "model") -> tuple[dict[str, str], float] | None:
     """What the export callbacks run at ``on_fit_end``: :func:`export_merged` of ``module`` on global rank 0, with the
-    module's tokenizer (else the DataModule's, the one the data was tokenized with) beside a Hugging Face model.
+    module's tokenizer (else the DataModule's, the one the data was tokenized with) beside a Hugging Face model, and
+    one line ``"<label> written to <out_dir> (<formats>)"``.
 
     Returns:
         ``(written, seconds)`` on rank 0 (``written`` as :func:`export_merged` returns it), None on the other ranks.
     """
+    from lightning.pytorch.utilities import rank_zero_info
+
     if not trainer.is_global_zero:
         return None
     tokenizer = getattr(module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
     start = time.perf_counter()
     written = export_merged(module, out_dir, tokenizer, format)
-    return written, round(time.perf_counter() - start, 3)
+    seconds = round(time.perf_counter() - start, 3)
+    rank_zero_info(f"{label} written to {out_dir} ({', '.join(sorted(written))})")
+    return written, seconds

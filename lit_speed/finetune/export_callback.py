@@ -86,11 +86,10 @@ class ExportModel(Callback):
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.active and not trainer.interrupted:
-            out = self._export_folder(trainer)
-            written = export_after_fit(trainer, pl_module, out, self.export_format)
+            written = export_after_fit(trainer, pl_module, self._export_folder(trainer), self.export_format,
+                                       label="ExportModel: trained model")
             if written is not None:  # rank 0
                 self.exported, self.export_seconds = written
-                rank_zero_info(f"ExportModel: trained model written to {out} ({', '.join(sorted(self.exported))})")
 
     def _export_folder(self, trainer: "pl.Trainer") -> Path:
         return Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "model"

@@ -298,11 +298,10 @@ class PEFTAdapters(Callback):
             self._export(trainer, pl_module)
 
     def _export(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        out = self._export_folder(trainer)
-        written = export_after_fit(trainer, pl_module, out, self.export_format)
+        written = export_after_fit(trainer, pl_module, self._export_folder(trainer), self.export_format,
+                                   label="PEFTAdapters: merged model")
         if written is not None:  # rank 0
             self.exported, self.export_seconds = written
-            rank_zero_info(f"PEFTAdapters: merged model written to {out} ({', '.join(sorted(self.exported))})")
 
     def _export_folder(self, trainer: "pl.Trainer") -> Path:
         return Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "merged"
