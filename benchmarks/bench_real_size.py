@@ -5,6 +5,7 @@
     python benchmarks/bench_real_size.py --rows lora05/lit_speed,lora05/trainer --steps 2   # some rows
     python benchmarks/bench_real_size.py --list             # the rows and their commands
     python benchmarks/bench_real_size.py --suite memory --plan   # + scripts/plan.py before each lit_speed row (item 3)
+    python benchmarks/bench_real_size.py --device cuda --steps 30   # on one GPU: every row on it, in bf16
 
 Model folders: ``model_folders.py`` (Qwen2.5-0.5B and Llama-3.2-1B dimensions, random weights, a tokenizer trained
 here). Corpus: the installed Lightning package's source, tokenised once by lit_speed (cached). Every row is a fresh
@@ -17,7 +18,10 @@ activations saved for backward, measured at the same points in every tool; the r
 own), launch to end (= exported model), the time split (start-up, model load, adapters, data, sanity/validation,
 training, checkpoints, export), steady tokens/s (steps after the first two), MFU (model FLOPs of the step against
 the measured matmul peak of the dtype in use on this machine: fp32, or bf16 where the row computes in bf16), peak
-RSS, and the ratios against the Trainer row of the same group, measured in the same run. Rows run one after the
+RSS, and the ratios against the Trainer row of the same group, measured in the same run. ``--device cuda`` puts every
+row on the GPU in bf16 autocast (lit_speed: ``trainer=gpu precision=bf16-mixed``; the Trainer: ``bf16=True, tf32=True``;
+plain Lightning: ``accelerator="gpu"``), synchronises before each step's clock stops, records the GPU's peak allocated
+memory, and measures the matmul peak on the GPU. Rows run one after the
 other with nothing else on the machine (the load average is recorded before and after). Result: JSON in
 ``benchmarks/results/real_size_<suite>.json``, a dated line in ``LOG.md``, a PNG beside the JSON.
 """
@@ -50,7 +54,7 @@ def lightning_source() -> str:
 
 
 def lit_command(model: str, mode: str, steps: int, block: int, micro: int, r: int, lr: float, extra: list[str],
-                out: Path) -> list[str]:
+                out: Path, device: str = "cpu") -> list[str]:
     """``scripts/train.py`` for a row: the same model, data, batches, optimizer and constant LR as the peers."""
     base = ["model=hf_causal_lm", "data=text_folder", f"model.pretrained={build(model)}",
             f"data.root={lightning_source()}", f"data.block_size={block}", f"data.batch_size={micro}",
@@ -61,14 +65,17 @@ def lit_command(model: str, mode: str, steps: int, block: int, micro: int, r: in
     if mode == "lora":
         base += ["peft=lora", f"peft.target_modules={LORA_TARGETS}", f"peft.r={r}", f"peft.alpha={2 * r}",
                  f"peft.export_dir={out}/merged"]
+    if device == "cuda":  # what a user types for one GPU; the Trainer's row runs bf16=True
+        base += ["trainer=gpu", "precision=bf16-mixed"]
     return [sys.executable, str(ROOT / "scripts" / "train.py"), *base, *extra]
 
 
 def peer_command(tool: str, model: str, mode: str, flags: str, steps: int, block: int, micro: int, r: int, lr: float,
-                 out: Path) -> list[str]:
+                 out: Path, device: str = "cpu") -> list[str]:
     return [sys.executable, str(ROOT / "benchmarks" / "real_size_peers.py"), tool, "--model", str(build(model)),
             "--data-root", lightning_source(), "--mode", mode, "--flags", flags, "--steps", str(steps),
-            "--block", str(block), "--micro", str(micro), "--r", str(r), "--lr", str(lr), "--out", str(out / "row.json")]
+            "--block", str(block), "--micro", str(micro), "--r", str(r), "--lr", str(lr), "--out", str(out / "row.json"),
+            "--device", device]
 
 
 #: lit_speed's levers per row, as Hydra overrides (what a user types). Filled from the components that exist.
@@ -79,11 +86,15 @@ def peer_command(tool: str, model: str, mode: str, flags: str, steps: int, block
 LIT_LORA_EAGER: list[str] = ["callbacks=[default,chunked_loss,keep_freed_memory]", "trainer.num_sanity_val_steps=0"]
 LIT_LORA: list[str] = ["callbacks=[default,chunked_loss,keep_freed_memory,compile]", "trainer.num_sanity_val_steps=0"]
 LIT_LORA_NOVAL: list[str] = [*LIT_LORA, "validate=false", "trainer.limit_val_batches=0"]
+#: the no-validation rows without the compile (a short run on a GPU: the cold compile against the steps it speeds up)
+LIT_LORA_EAGER_NOVAL: list[str] = [*LIT_LORA_EAGER, "validate=false", "trainer.limit_val_batches=0"]
 LIT_FULL: list[str] = ["peft=none", "optimizer=adamw_fused",
                        "callbacks=[default,chunked_loss,keep_freed_memory,compile]", "trainer.num_sanity_val_steps=0"]
 #: full fine-tuning, the Trainer row's job: train, then the trained model's save_pretrained folder (peft=none's
 #: export); no validation and no resumable checkpoint (weights + AdamW state, 6 GB at 0.5B: save_strategy="no" there)
 LIT_FULL_NOVAL: list[str] = [*LIT_FULL, "validate=false", "trainer.limit_val_batches=0", "~callbacks.model_checkpoint"]
+LIT_FULL_EAGER_NOVAL: list[str] = [*LIT_FULL_NOVAL[:2], "callbacks=[default,chunked_loss,keep_freed_memory]",
+                                   *LIT_FULL_NOVAL[3:]]
 LIT_MEMORY_LORA: list[str] = ["peft.base_dtype=bf16",
                                "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
 LIT_MEMORY_LORA_INT8: list[str] = ["peft.base_dtype=int8", *LIT_MEMORY_LORA[1:]]
@@ -107,9 +118,11 @@ SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
         "lora05/lit_speed": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA),
         # the Trainer rows' job: train and export, no validation (lit_speed's final validation is work they skip)
         "lora05/lit_speed_noval": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA_NOVAL),
+        "lora05/lit_speed_eager_noval": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA_EAGER_NOVAL),
         "full05/trainer": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "speed"),
         "full05/lit_speed": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL),
         "full05/lit_speed_noval": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL_NOVAL),
+        "full05/lit_speed_eager_noval": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL_EAGER_NOVAL),
     },
     "memory": {
         "lora1b/trainer": ("lora1b", "llama-3.2-1b", "lora", 16, "trainer", "memory"),
@@ -140,19 +153,23 @@ def flops_per_token(model: str, block: int, mode: str) -> float:
     return forward * 2 + (2 * n if mode == "full" else 0)
 
 
-def matmul_peak(dtype: str, size: int = 2048, repeats: int = 5) -> float:
-    """Measured GEMM FLOP/s of ``dtype`` at ``size``^2 with this process's threads (median of ``repeats``)."""
+def matmul_peak(dtype: str, size: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
+    """Measured GEMM FLOP/s of ``dtype`` at ``size``^2 with this process's threads, or on the GPU (median of
+    ``repeats``)."""
     import statistics
 
     import torch
 
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    a, b = torch.randn(size, size, dtype=dt), torch.randn(size, size, dtype=dt)
+    a, b = torch.randn(size, size, dtype=dt, device=device), torch.randn(size, size, dtype=dt, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     a @ b
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         a @ b
+        sync()
         times.append(time.perf_counter() - start)
     return 2 * size**3 / statistics.median(times)
 
@@ -203,12 +220,16 @@ def run_sampled(cmd: list[str], env: dict[str, str], out: Path, every_s: float =
                   "peak_anon_mib": peak[2], "peak_file_mib": peak[3]}
 
 
+#: ``/usr/bin/time -v`` where the machine has it (GNU time); else the peak comes from the RSS samples
+TIME_V = ["/usr/bin/time", "-v"] if Path("/usr/bin/time").exists() else []
+
+
 def run_plan(train_cmd: list[str], env: dict[str, str], out: Path) -> dict[str, Any]:
     """``scripts/plan.py`` with the row's own overrides, as a user asks "will it fit" before the run: its wall time,
     peak RSS and the configured row's predicted peak RSS (issue 32: under a minute, within 15% of the measured)."""
     overrides = [a for a in train_cmd[2:] if not a.startswith(("hydra.run.dir=", "+callbacks.bench"))]
     start = time.time()
-    proc = subprocess.run(["/usr/bin/time", "-v", sys.executable, str(ROOT / "scripts" / "plan.py"), *overrides,
+    proc = subprocess.run([*TIME_V, sys.executable, str(ROOT / "scripts" / "plan.py"), *overrides,
                            "--json", str(out / "plan.json")], capture_output=True, text=True, env=env, cwd=ROOT)
     result: dict[str, Any] = {"exit": proc.returncode, "wall_s": round(time.time() - start, 2),
                               "peak_rss_bytes": time_v(proc.stderr).get("peak_rss_bytes")}
@@ -226,21 +247,24 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     if kind == "lit":
-        cmd = lit_command(model, mode, args.steps, args.block, args.micro, r, args.lr, list(extra), out)
+        cmd = lit_command(model, mode, args.steps, args.block, args.micro, r, args.lr, list(extra), out, args.device)
     else:
         flags = extra.removesuffix(KEEP)
-        cmd = peer_command(kind, model, mode, flags, args.steps, args.block, args.micro, r, args.lr, out)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "HYDRA_FULL_ERROR": "1",
+        cmd = peer_command(kind, model, mode, flags, args.steps, args.block, args.micro, r, args.lr, out, args.device)
+    path = os.pathsep.join(p for p in (str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HYDRA_FULL_ERROR": "1",
            "TORCHINDUCTOR_CACHE_DIR": str(out / "inductor_cache"),  # cold: a compiling row pays its compile
            "LIT_SPEED_CACHE_DIR": str(out / "lit_speed_cache"),  # cold: lit_speed's timed choices (auto) are timed
            **(KEEP_ENV if kind != "lit" and extra.endswith(KEEP) else {})}
     plan = run_plan(cmd, env, out) if kind == "lit" and args.plan else None
     start = time.time()
-    proc, timeline = run_sampled(["/usr/bin/time", "-v", *cmd], env, out)
+    proc, timeline = run_sampled([*TIME_V, *cmd], env, out)
     wall = time.time() - start
     row: dict[str, Any] = {"name": name, "group": group, "model": model, "mode": mode, "r": r, "tool": kind,
                            "command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": round(wall, 2),
                            **time_v(proc.stderr), "rss_timeline": timeline}
+    if not TIME_V:  # no GNU time here: the largest of the 0.25 s samples
+        row["peak_rss_bytes"], row["peak_rss_from"] = timeline["peak_mib"] * 2**20, "rss samples"
     if proc.returncode != 0:
         row["error"] = proc.stderr[-2000:]
         return row
@@ -248,12 +272,14 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
         summary = json.loads((out / "summary.json").read_text())
         steps = json.loads((out / "steps.json").read_text())
         row.update(step_s=steps["step_s"], loss=steps["loss"], first_batch_sha=steps["first_batch_sha"],
+                   cuda_peak_bytes=steps.get("cuda_peak_bytes"),
                    memory_breakdown=steps.get("memory_breakdown"), phases=summary["time_split_s"],
                    launch_to_end_s=summary["launch_to_end_s"],
                    settings={"precision": summary["startup"].get("precision"), "startup": summary["startup"]})
     else:
         record = json.loads((out / "row.json").read_text())
         row.update(step_s=record["step_s"], loss=record["loss"], first_batch_sha=record["first_batch_sha"],
+                   cuda_peak_bytes=record.get("cuda_peak_bytes"),
                    memory_breakdown=record.get("memory_breakdown"), phases=record["phases"],
                    launch_to_end_s=record["launch_to_end_s"], settings=record["settings"])
     if plan is not None:
@@ -266,7 +292,8 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
     timed = row["step_s"][WARMUP:] if len(row["step_s"]) > WARMUP else row["step_s"]
     row["steady_tokens_per_s"] = round(tokens * len(timed) / sum(timed), 2)
     row["median_step_s"] = round(sorted(timed)[len(timed) // 2], 3)
-    bf16 = "bf16" in json.dumps(row.get("settings", {})).lower() and "true" in json.dumps(row["settings"]).lower()
+    bf16 = args.device == "cuda" or ("bf16" in json.dumps(row.get("settings", {})).lower()
+                                      and "true" in json.dumps(row["settings"]).lower())
     peak = args.peaks["bf16" if bf16 and "bf16" in args.peaks else "fp32"]
     row["mfu"] = round(flops_per_token(model, args.block, mode) * row["steady_tokens_per_s"] / peak, 4)
     # the row's steps alone at the measured matmul peak (no start-up, no compile, nothing but the model's FLOPs): no
@@ -294,6 +321,8 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             # the best launch_to_end_x any tool could reach here: the steps at the matmul peak, nothing else
             "launch_to_end_floor_x": round(row["floor_s"] / ref["wall_s"], 3),
             "same_batches": row["first_batch_sha"] == ref["first_batch_sha"],
+            **({"cuda_peak_x": round(row["cuda_peak_bytes"] / ref["cuda_peak_bytes"], 3)}
+               if row.get("cuda_peak_bytes") and ref.get("cuda_peak_bytes") else {}),
             "max_loss_diff": round(max(losses), 5) if losses else None,
         }
     return out
@@ -338,6 +367,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: every row on the GPU in bf16 autocast (default: this machine's CPU)")
     parser.add_argument("--plan", action="store_true",
                         help="before each lit_speed row, time scripts/plan.py on its overrides and compare its "
                              "predicted peak RSS with the row's measured one")
@@ -355,10 +386,16 @@ def main(argv: list[str] | None = None) -> None:
             print(n, suite[n])
         return
     info = machine()
-    print(f"machine: {info.get('cpu')} {info.get('cpu_id')} bf16 kernels: {info.get('mkldnn_bf16')}", flush=True)
+    print(f"machine: {info.get('cpu')} {info.get('cpu_id')} bf16 kernels: {info.get('mkldnn_bf16')} "
+          f"GPU: {info.get('gpu')}", flush=True)
+    if args.device == "cuda" and not info.get("gpu"):
+        raise SystemExit("--device cuda: no CUDA device here. Fix: run it on a machine with one GPU, or --device cpu")
     load_before = os.getloadavg()
-    args.peaks = {"fp32": matmul_peak("fp32")}
-    if info.get("mkldnn_bf16"):
+    if args.device == "cuda":
+        args.peaks = {"bf16": matmul_peak("bf16", size=8192, repeats=10, device="cuda")}
+    else:
+        args.peaks = {"fp32": matmul_peak("fp32")}
+    if args.device == "cpu" and info.get("mkldnn_bf16"):
         args.peaks["bf16"] = matmul_peak("bf16")
     print(f"matmul peak GFLOP/s: { {k: round(v / 1e9, 1) for k, v in args.peaks.items()} }", flush=True)
     rows = []
@@ -375,7 +412,8 @@ def main(argv: list[str] | None = None) -> None:
     ratios = compare(rows)
     print(json.dumps(ratios, indent=1))
     name = f"real_size_{args.suite}{args.tag}"
-    results = {"rows": rows, "ratios": ratios, "steps": args.steps, "block": args.block, "micro": args.micro,
+    results = {"device": args.device, "machine": info, "rows": rows, "ratios": ratios, "steps": args.steps,
+               "block": args.block, "micro": args.micro,
                "lr": args.lr, "matmul_peak_flops": args.peaks, "load_before": load_before, "load_after": load_after}
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))
@@ -386,11 +424,15 @@ def main(argv: list[str] | None = None) -> None:
                      f"x{v['peak_rss_x']}" for k, v in ratios.items()) or "no ratios (a reference row is missing)"
     line += "; " + ", ".join(f"{r['name']} {r.get('peak_rss_bytes', 0) / 2**30:.2f} GiB"
                              + (f" (tensors {r['memory_breakdown']['tensor_bytes'] / 2**30:.2f})"
-                                if r.get("memory_breakdown") else "") + f" {r['wall_s']:.0f} s"
+                                if r.get("memory_breakdown") else "")
+                             + (f" GPU peak {r['cuda_peak_bytes'] / 2**30:.2f} GiB" if r.get("cuda_peak_bytes") else "")
+                             + f" {r['wall_s']:.0f} s"
                              + (f" (plan.py {r['plan']['wall_s']:.0f} s, predicted x{r['plan']['predicted_over_measured']})"
                                 if r.get("plan", {}).get("predicted_over_measured") else "")
                              + ("" if r.get("exit") == 0 else " FAILED") for r in rows)
     line += f"; load {load_before[0]:.1f} -> {load_after[0]:.1f}"
+    if args.device == "cuda":
+        line += f"; every row on {info.get('gpu')} (bf16 autocast), {args.steps} steps"
     write_result(name, results, line)
 
 

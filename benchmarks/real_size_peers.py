@@ -8,6 +8,8 @@ documented flags: ``default`` (what ``TrainingArguments`` gives), ``speed`` (bf1
 bf16 kernels, else float32 - on a CPU without them bf16 matmuls are 50-500x slower -, the fused AdamW), ``memory``
 (``speed`` plus gradient checkpointing, and torchao's 8-bit AdamW for full fine-tuning: ``optim="adamw_torch_8bit"``),
 ``compile`` (``speed`` plus ``torch_compile=True``: the whole model through ``torch.compile``, inductor).
+``--device cuda``: the row on the GPU (the Trainer with ``bf16=True, tf32=True``; Lightning ``accelerator="gpu"``), each
+step's clock stopped after a CUDA synchronise, the GPU's peak allocated memory recorded.
 ``lightning``: the same model in a plain LightningModule (``labels=input_ids``, ``torch.optim.AdamW``), the way a
 Lightning user writes it. Both export what a user ships: LoRA merged (``merge_and_unload``) then ``save_pretrained``.
 
@@ -52,10 +54,28 @@ def since_launch() -> float:
     return time.time() - process_start_time()
 
 
-def native_bf16() -> bool:
+def native_bf16(device: str = "cpu") -> bool:
     import torch
 
+    if device == "cuda":
+        return torch.cuda.is_bf16_supported()
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def step_done(device: str) -> float:
+    """The clock at the end of a step: on a GPU once its queued kernels have run."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def cuda_peak(record: dict[str, Any]) -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        record["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
 
 
 def batches(args: argparse.Namespace, n: int) -> list[Any]:
@@ -141,13 +161,13 @@ def run_trainer(args: argparse.Namespace, record: dict[str, Any]) -> None:
             self.start = time.perf_counter()
 
         def on_step_end(self, targs, state, control, **kwargs):
-            record["step_s"].append(time.perf_counter() - self.start)
+            record["step_s"].append(step_done(args.device) - self.start)
 
         def on_log(self, targs, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 record["loss"].append(float(logs["loss"]))
 
-    bf16 = args.flags in ("speed", "memory", "compile") and native_bf16()
+    bf16 = args.flags in ("speed", "memory", "compile") and native_bf16(args.device)
     optim = {"default": "adamw_torch", "speed": "adamw_torch_fused", "memory": "adamw_torch_fused",
              "compile": "adamw_torch_fused"}[args.flags]
     if args.flags == "memory" and args.mode == "full":
@@ -156,7 +176,8 @@ def run_trainer(args: argparse.Namespace, record: dict[str, Any]) -> None:
         output_dir=str(Path(args.out).with_suffix(".trainer")), per_device_train_batch_size=args.micro,
         max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, logging_steps=1, save_strategy="no",
-        report_to="none", disable_tqdm=True, use_cpu=True, bf16=bf16, optim=optim, dataloader_num_workers=0,
+        report_to="none", disable_tqdm=True, use_cpu=args.device == "cpu", bf16=bf16,
+        tf32=True if args.device == "cuda" else None, optim=optim, dataloader_num_workers=0,
         gradient_checkpointing=args.flags == "memory", torch_compile=args.flags == "compile", seed=42, data_seed=42)
     record["settings"] = {"bf16": bf16, "optim": optim, "gradient_checkpointing": targs.gradient_checkpointing,
                           "torch_compile": targs.torch_compile}
@@ -216,16 +237,17 @@ def run_lightning(args: argparse.Namespace, record: dict[str, Any]) -> None:
             breakdown.before_optimizer_step(self.hf)
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
-            record["step_s"].append(time.perf_counter() - self._t)
+            record["step_s"].append(step_done(args.device) - self._t)
             breakdown.after_optimizer_step(self.trainer.optimizers[0])
 
         def configure_optimizers(self):
             return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=args.lr,
                                      betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
 
-    precision = "bf16-mixed" if args.flags in ("speed", "memory") and native_bf16() else "32-true"
+    precision = "bf16-mixed" if args.flags in ("speed", "memory") and native_bf16(args.device) else "32-true"
     record["settings"] = {"precision": precision}
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, precision=precision, logger=False,
+    trainer = pl.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=1, max_steps=args.steps,
+                         precision=precision, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, gradient_clip_val=1.0)  # the Trainer's max_grad_norm default
     start = time.perf_counter()
@@ -250,12 +272,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-bytes", type=int, default=4_000_000)
     parser.add_argument("--export", type=int, default=1)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
     record: dict[str, Any] = {"tool": args.tool, "mode": args.mode, "flags": args.flags, "phases": {},
                               "step_s": [], "loss": [], "tokens_per_step": args.micro * args.block}
     record["phases"]["startup"] = since_launch()
     {"trainer": run_trainer, "lightning": run_lightning}[args.tool](args, record)
     record["launch_to_end_s"] = since_launch()
+    cuda_peak(record)
     record["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     Path(args.out).write_text(json.dumps(record, indent=1))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from memory_breakdown import Breakdown
 from typing_extensions import override
@@ -28,6 +29,8 @@ class StepRecorder(Callback):
         self.out = out
         self.record: dict[str, Any] = {"step_s": [], "loss": [], "first_batch_sha": None}
         self._start = 0.0
+        self._cuda: torch.device | None = None
+        self._cuda_peak = 0
         self.breakdown = Breakdown()
         self._forward = contextlib.ExitStack()
 
@@ -47,11 +50,23 @@ class StepRecorder(Callback):
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         self.breakdown.before_optimizer_step(pl_module)
+        self._read_cuda_peak(pl_module)
+
+    def _read_cuda_peak(self, pl_module: "pl.LightningModule") -> None:
+        """The run's GPU peak: the largest reading at two points of every step, since lit_speed's DeviceStatsLogger
+        resets CUDA's peak statistics at each logging interval (a single reading at the end sees the last interval's
+        peak only)."""
+        if pl_module.device.type == "cuda":
+            self._cuda = pl_module.device  # Lightning's teardown moves the module to the CPU before on_fit_end
+            self._cuda_peak = max(self._cuda_peak, torch.cuda.max_memory_allocated(pl_module.device))
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if pl_module.device.type == "cuda":  # the step's queued kernels done before the clock stops
+            torch.cuda.synchronize(pl_module.device)
         self.record["step_s"].append(time.perf_counter() - self._start)
+        self._read_cuda_peak(pl_module)
         self._forward.close()
         self.breakdown.after_optimizer_step(trainer.optimizers[0])
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -60,5 +75,7 @@ class StepRecorder(Callback):
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.record["memory_breakdown"] = self.breakdown.result()
+        if self._cuda is not None:
+            self.record["cuda_peak_bytes"] = max(self._cuda_peak, torch.cuda.max_memory_allocated(self._cuda))
         if trainer.is_global_zero:
             Path(self.out).write_text(json.dumps(self.record, indent=1))

@@ -210,11 +210,18 @@ class DeviceStatsLogger(Callback):
             except RuntimeError as error:  # e.g. a dispatch mode that refuses to nest
                 rank_zero_warn(f"DeviceStatsLogger: FLOP counting failed ({error}); MFU will not be logged")
 
+    def _stop_counting(self) -> None:
+        self.flops_per_batch = float(self._flops.stop()) or None
+        if self._flops.error:
+            rank_zero_warn(f"DeviceStatsLogger: FLOP counting failed ({self._flops.error}); perf/mfu will not be "
+                           "logged. Fix: set `flops_per_batch` on the LightningModule, or measure_flops=False "
+                           "(callbacks.device_stats.measure_flops=false)")
+
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
         if self._flops.active:
-            self.flops_per_batch = float(self._flops.stop()) or None
+            self._stop_counting()
         elif not self._warmup:
             self._timer.mark("before_optimizer")
 
@@ -222,7 +229,7 @@ class DeviceStatsLogger(Callback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         if self._flops.active:  # a batch that only accumulated gradients
-            self.flops_per_batch = float(self._flops.stop()) or None
+            self._stop_counting()
         if self._warmup:
             self._warmup = False
             self._timer.reset()

@@ -2,9 +2,10 @@
 
 - :class:`FlopCount` counts one forward+backward with the FLOP formulas of ``torch.utils.flop_counter``
   (matmuls, convolutions, attention: the work that dominates a training step) in a plain dispatch mode: the same
-  total as ``FlopCounterMode``, without its per-module tracker, whose hooks kept a checkpointed model's recomputed
-  activations alive through backward (x2.1 of the step's tensor peak at 4 Llama-1B-width layers, 2 x 256 tokens;
-  on the 1B-dims LoRA run the first batch's RSS rose from 7.7 to 14.2 GiB during backward).
+  total as ``FlopCounterMode`` plus the CPU's fused attention (which it has no formula for), grouped-query attention
+  counted on every torch (older ones assert), without its per-module tracker, whose hooks kept a checkpointed model's
+  recomputed activations alive through backward (x2.1 of the step's tensor peak at 4 Llama-1B-width layers, 2 x 256
+  tokens; on the 1B-dims LoRA run the first batch's RSS rose from 7.7 to 14.2 GiB during backward).
 - :func:`measure_cpu_peak_flops` times a short square matmul once per (dtype, threads) and caches it:
   the CPU has no datasheet number we could look up, and its real peak depends on the ISA
   (AVX2, AVX512, AMX) and on the thread count.
@@ -16,6 +17,7 @@ import functools
 import time
 
 import torch
+from torch.utils import flop_counter
 from torch.utils.flop_counter import flop_registry
 
 from lit_speed.compat import torch as torch_compat
@@ -107,19 +109,72 @@ def contains_compiled(module: torch.nn.Module) -> bool:
     return any(torch_compat.is_compiled_wrapper(m) or torch_compat.is_compiled(m) for m in module.modules())
 
 
+def _cpu_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            *args, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+#: ops the registry has no formula for (torch 2.13): the CPU's fused attention, counted as torch counts the CUDA
+#: attention kernels (dense SDPA, forward and backward)
+_MORE_FORMULAS = {getattr(torch.ops.aten, name): formula for name, formula in (
+    ("_scaled_dot_product_flash_attention_for_cpu", _cpu_attention),
+    ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_attention_backward))
+    if hasattr(torch.ops.aten, name)}
+
+
+def _heads_broadcast(args: tuple) -> tuple | None:
+    """``args`` with every 4-D tensor of fewer heads (dim 1) than the most, and a divisor of it, replaced by a meta
+    tensor of the most heads: grouped-query attention's key/value as the kernel uses them (each query head against
+    its group's key/value head). None when no tensor changes."""
+    heads = max((a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
+    out, changed = [], False
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] != heads and heads % a.shape[1] == 0:
+            a, changed = torch.empty((a.shape[0], heads, *a.shape[2:]), dtype=a.dtype, device="meta"), True
+        out.append(a)
+    return tuple(out) if changed else None
+
+
+def op_flops(func, args: tuple, kwargs: dict, out) -> int:  # noqa: ANN001 - an OpOverload
+    """FLOPs of one dispatched op by ``torch.utils.flop_counter``'s formula (0 for an op without one; the CPU's
+    fused attention by the formula of the CUDA kernels).
+
+    torch before 2.12 asserts in its attention formulas on grouped-query attention (SDPA with ``enable_gqa``, which
+    transformers uses on CUDA for Llama/Qwen-style models): such a call is counted with key/value broadcast to the
+    query's heads, which is what the kernel computes and what later torch counts."""
+    formula = flop_registry.get(func.overloadpacket) or _MORE_FORMULAS.get(func.overloadpacket)
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except AssertionError:
+        widened = _heads_broadcast(args)
+        if widened is None:
+            raise
+        return int(formula(*widened, **kwargs, out_val=out))
+
+
 class _CountFlops(torch_compat.TorchDispatchMode):
-    """Adds ``torch.utils.flop_counter``'s formula of every op that has one; keeps no reference to any tensor."""
+    """Adds ``torch.utils.flop_counter``'s formula of every op that has one; keeps no reference to any tensor. A
+    formula that fails stops the count (``error``: the op and why), never the step."""
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+        self.error: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func.overloadpacket)
-        if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
+        if self.error is None:
+            try:
+                self.total += op_flops(func, args, kwargs, out)
+            except Exception as error:  # noqa: BLE001 - a FLOP formula must never fail the training step
+                self.error = f"{func.overloadpacket}: {type(error).__name__}: {error}"
         return out
 
 
@@ -134,6 +189,7 @@ class FlopCount:
 
     def __init__(self) -> None:
         self._mode: _CountFlops | None = None
+        self.error: str | None = None  # why the last count failed (then :meth:`stop` returned 0)
 
     @property
     def active(self) -> bool:
@@ -149,4 +205,5 @@ class FlopCount:
             return 0
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
-        return mode.total
+        self.error = mode.error
+        return 0 if mode.error else mode.total

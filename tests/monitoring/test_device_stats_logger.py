@@ -124,6 +124,21 @@ def test_huge_optimizer_is_optimizer_bound(tmp_path):
     assert "adamw_fused" in result["next_step"]
 
 
+def test_a_flop_formula_that_fails_costs_the_mfu_not_the_run(tmp_path, monkeypatch):
+    from torch.utils.flop_counter import flop_registry
+
+    def broken(*args, **kwargs):
+        raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+
+    monkeypatch.setitem(flop_registry, torch.ops.aten.addmm, broken)
+    cb = DeviceStatsLogger(interval=2, peak_flops=1e11)
+    with pytest.warns(UserWarning, match=r"FLOP counting failed \(aten.addmm: AssertionError: sdpa_flop_count.*"
+                                         r"Fix: set `flops_per_batch`.*callbacks.device_stats.measure_flops=false"):
+        trainer = fit(tmp_path, Regression(16, 2), Batches(4, 8, 16), steps=4, callback=cb)
+    assert trainer.global_step == 4 and cb.flops_per_batch is None
+    assert cb.final_summary().get("evidence", {}).get("mfu") is None
+
+
 def test_slow_validation_is_not_counted_as_data_wait(tmp_path):
     width = 16
     cb = DeviceStatsLogger(interval=2, peak_flops=1e11)

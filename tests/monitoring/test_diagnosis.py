@@ -200,8 +200,74 @@ def test_flop_count_equals_torch_counter_and_keeps_checkpointed_activations_out_
     _, plain_peak = step("none")
     torch_flops, torch_peak = step("torch")
     flops, peak = step("ours")
-    assert flops == torch_flops > 0
+    # ours also counts the CPU's fused attention, which torch has no formula for: forward twice (the checkpointed
+    # layers recompute it in backward) and backward, per layer, with every query head (grouped-query attention)
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    q = (2, 4, 128, 32)
+    attention = 4 * (2 * sdpa_flop_count(q, q, q) + sdpa_backward_flop_count(q, q, q, q))
+    assert flops == torch_flops + attention and torch_flops > 0
     assert peak == plain_peak and torch_peak > 1.3 * plain_peak  # ours adds nothing; torch's tracker did
+
+
+def _attention_flops(q_heads: int, kv_heads: int) -> tuple[int, str | None]:
+    """One causal SDPA forward and backward on the CPU under FlopCount (grouped-query when ``kv_heads`` < ``q_heads``)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, q_heads, 16, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 16, 8, generator=g, requires_grad=True) for _ in range(2))
+    counter = FlopCount()
+    counter.start()
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != q_heads
+                                                     ).square().sum().backward()
+    return counter.stop(), counter.error
+
+
+def test_cpu_attention_is_counted_as_torch_counts_the_cuda_kernels():
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    flops, error = _attention_flops(4, 4)
+    shape = (2, 4, 16, 8)
+    assert error is None and flops == sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(*[shape] * 4) > 0
+
+
+def test_grouped_query_attention_is_counted_where_torch_formulas_assert(monkeypatch):
+    # torch <= 2.11's attention formulas assert when key/value have fewer heads than the query (found on an H200:
+    # Qwen2.5-0.5B-dims LoRA, eager, transformers' SDPA with enable_gqa on CUDA, and the default device stats logger
+    # crashed the first step). The stand-in: today's formulas, asserting as those did
+    from torch.utils import flop_counter
+
+    raised = []
+
+    def asserting(formula):
+        def old(*shapes):
+            if len({shape[1] for shape in shapes if len(shape) == 4}) > 1:
+                raised.append(formula.__name__)
+                raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+            return formula(*shapes)
+        return old
+
+    dense, _ = _attention_flops(4, 4)
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", asserting(flop_counter.sdpa_flop_count))
+    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", asserting(flop_counter.sdpa_backward_flop_count))
+    grouped, error = _attention_flops(4, 2)
+    assert raised == ["sdpa_flop_count", "sdpa_backward_flop_count"]  # the old formulas were reached, and asserted
+    assert error is None and grouped == dense  # every query head counted, as the kernel computes it
+
+
+def test_a_failing_flop_formula_stops_the_count_not_the_step(monkeypatch):
+    from torch.utils.flop_counter import flop_registry
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no formula for this layout")
+
+    monkeypatch.setitem(flop_registry, torch.ops.aten.mm, broken)
+    monkeypatch.setitem(flop_registry, torch.ops.aten.bmm, broken)
+    linear = torch.nn.Linear(8, 8)
+    counter = FlopCount()
+    counter.start()
+    linear(torch.ones(3, 8)).sum().backward()
+    assert counter.stop() == 0 and "aten.mm: RuntimeError: no formula for this layout" in counter.error
+    assert torch.equal(linear.weight.grad, torch.full((8, 8), 3.0))  # the step ran to the end
 
 
 def test_compute_dtype_follows_lightning_precision():
