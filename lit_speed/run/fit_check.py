@@ -312,9 +312,34 @@ def _chunk_extra(cfg: DictConfig, facts: RunFacts, levers: Levers, tokens: int) 
     return max(0, run - probe)
 
 
+def trains_on_gpu(cfg: DictConfig) -> bool:
+    """Whether the run's step runs on a GPU (``trainer=gpu``, or ``accelerator: auto`` where CUDA is)."""
+    accelerator = str(OmegaConf.select(cfg, "trainer.accelerator", default="cpu")).lower()
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def gpu_run_host_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> tuple[int, int]:
+    """What a GPU run holds in the host's RAM beyond the process: ``(load, end)``. ``load``: the weights while
+    ``from_pretrained`` reads them (then they move to the GPU); ``end``: Lightning's ``Strategy.teardown`` moves the
+    module and the optimizer's state back to the CPU before ``on_fit_end`` (measured on an H200, 0.5B full
+    fine-tuning: +6 GB of host RSS in the run's last seconds), and the export writes from there."""
+    from lit_speed.memory.rss_estimate import load_peak_bytes
+    from lit_speed.precision.modes import spec
+
+    weight_bytes = 2 if spec(facts.precision).module_dtype is not None else 4
+    frozen_bytes = 1 if levers.base_int8 else 2 if levers.base_bf16 else weight_bytes
+    weights = facts.frozen * frozen_bytes + facts.trainable * 4
+    state = int(facts.trainable * _state_bytes(facts, levers, []))
+    load_dtype_bytes = 2 if (levers.base_bf16 or levers.base_int8) and facts.file_dtype_bytes == 2 else 4
+    load = load_peak_bytes(facts.file_bytes, facts.frozen + facts.trainable, load_dtype_bytes, facts.file_dtype_bytes)
+    return load, weights + state + _export_bytes(cfg, facts, levers)
+
+
 def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> None:
     """Refuse, before the weights are read, a Hugging Face run whose predicted peak RSS exceeds the memory this
-    machine has free, naming the cheapest lever set (:func:`lever_sets`) that fits."""
+    machine has free, naming the cheapest lever set (:func:`lever_sets`) that fits. A run on a GPU is judged by what
+    it holds in the host's RAM (:func:`gpu_run_host_bytes`), not by the CPU step's estimate; the GPU's own memory is
+    not predicted here."""
     import psutil
 
     from lit_speed.memory.rss_estimate import gib
@@ -326,6 +351,16 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> No
     budget = process + available
     configured = configured_levers(cfg)
     facts = run_facts(cfg, hf_folder(cfg), configured)  # the meta-device model and the optimizer, built once
+    if trains_on_gpu(cfg):
+        load, end = gpu_run_host_bytes(cfg, facts, configured)
+        peak = process + max(load, end)
+        if peak <= budget:
+            return
+        raise ConfigError(f"this run trains on the GPU and needs about {gib(peak)} of host RAM at its peak (loading "
+                          f"the weights {gib(load)}; at the end of fit Lightning's teardown moves the weights and the "
+                          f"optimizer state to the CPU, and the export writes from there: {gib(end)}), {gib(budget)} "
+                          "is there. Fix: peft=lora (the adapters' optimizer state only), optimizer=adamw8bit, or a "
+                          "machine with more RAM")
     if generous_bound(facts, process) <= budget:
         return  # fits even counted generously: no probe
     try:

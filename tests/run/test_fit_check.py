@@ -101,6 +101,32 @@ def test_a_probe_that_cannot_run_warns_and_lets_the_run_go_on(make_cfg, folder, 
         fit_check.check_fits_memory(make_cfg(_args(folder, texts, "peft=none")), available_bytes=1)
 
 
+def test_a_gpu_run_is_judged_by_its_host_side_not_by_the_cpu_step(make_cfg, folder, texts, monkeypatch):
+    # found on an H200: the CPU step's estimate does not apply to a run whose step is on the GPU; what the host holds
+    # is the weights while loading and, at the end of fit, the weights and the optimizer state that Lightning's
+    # teardown moves back to the CPU (+6 GB at 0.5B full fine-tuning)
+    from transformers import AutoModelForCausalLM
+
+    def cpu_estimate(*args, **kwargs):
+        raise AssertionError("the CPU step's estimate was used for a GPU run")
+
+    monkeypatch.setattr(fit_check, "estimate_run", cpu_estimate)
+    monkeypatch.setattr(fit_check, "generous_bound", lambda facts, process: 10**15)  # would probe on a CPU run
+    gpu = make_cfg(_args(folder, texts, "peft=none", "trainer=gpu"))
+    assert fit_check.trains_on_gpu(gpu) and not fit_check.trains_on_gpu(make_cfg(_args(folder, texts)))
+    fit_check.check_fits_memory(gpu, available_bytes=8 * 2**30)  # the tiny model's host side fits: no refusal
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    n = sum({id(p): p.numel() for p in model.parameters()}.values())
+    facts = fit_check.run_facts(gpu, folder, fit_check.configured_levers(gpu))
+    load, end = fit_check.gpu_run_host_bytes(gpu, facts, fit_check.configured_levers(gpu))
+    export = fit_check._export_bytes(gpu, facts, fit_check.configured_levers(gpu))
+    assert end == 4 * n + 8 * n + export and load >= 4 * n  # float32 weights and AdamW's two moments, then the export
+    with pytest.raises(ConfigError, match=r"this run trains on the GPU and needs about .* of host RAM at its peak "
+                                          r"\(loading the weights .*Lightning's teardown moves the weights and the "
+                                          r"optimizer state to the CPU.*Fix: peft=lora"):
+        fit_check.check_fits_memory(gpu, available_bytes=1)
+
+
 ACCURACY_SCRIPT = r"""
 import json, resource, sys
 from lit_speed.run.config_check import preflight
