@@ -69,7 +69,7 @@ CASES = {
     "data_without_its_model": (["data=charlm"], r"does not fit model \(MLPClassifier\).*Fix: model=gpt.*"
                                                 r"experiment=charlm_cpu", False),
     "model_without_its_data": (["model=gpt"], r"does not fit model \(GPTModule\).*Fix: model=mlp, or data=charlm",
-                               False),
+                               True),
     "curriculum_data_without_its_model": (["data=charlm_curriculum"], r"does not fit model \(MLPClassifier\)", True),
     "lr_not_a_number": (["optimizer.lr=abc"], r"optimizer\.lr='abc': expected a number.*Fix", True),
     "lr_infinite": (["optimizer.lr=inf"], r"optimizer\.lr=inf: must be finite\. Fix", True),
@@ -139,7 +139,7 @@ CASES = {
     # issue 33: the signal deadline (FaultTolerance(signal_deadline_s=...)): seconds > 0, or null
     "signal_deadline_negative": (["callbacks.fault_tolerance.signal_deadline_s=-1"],
                                  r"signal_deadline_s=-1: FaultTolerance\(signal_deadline_s=-1\): signal_deadline_s must "
-                                 r"be a number of seconds > 0, or None.*Fix: signal_deadline_s=25", False),
+                                 r"be a number of seconds > 0, or None.*Fix: signal_deadline_s=25", True),
     "signal_deadline_not_a_number": (["callbacks.fault_tolerance.signal_deadline_s=soon"],
                                      r"signal_deadline_s must be a number of seconds > 0, or None to wait for the "
                                      r"running step, got 'soon'", True),
@@ -178,7 +178,7 @@ CASES.update({
                             r"flow sequence from line 2\)\. Fix: correct that line", False),
     "nested_key_from_the_top": (["validation_budget.max_fraction=2"],
                                 r"it is callbacks\.validation_budget\.max_fraction, which the callbacks option "
-                                r"validation_budget adds\. Fix: 'callbacks=\[default,validation_budget\]'", False),
+                                r"validation_budget adds\. Fix: 'callbacks=\[default,validation_budget\]'", True),
     "batch_transform_not_a_function": (["data.batch_transform=foo"],
                                        r"data\.batch_transform='foo': DigitsDataModule\(batch_transform='foo'\): must "
                                        r"be a function", True),
