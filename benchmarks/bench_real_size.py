@@ -93,8 +93,8 @@ LIT_FULL: list[str] = ["peft=none", "optimizer=adamw_fused",
 #: full fine-tuning, the Trainer row's job: train, then the trained model's save_pretrained folder (peft=none's
 #: export); no validation and no resumable checkpoint (weights + AdamW state, 6 GB at 0.5B: save_strategy="no" there)
 LIT_FULL_NOVAL: list[str] = [*LIT_FULL, "validate=false", "trainer.limit_val_batches=0", "~callbacks.model_checkpoint"]
-LIT_FULL_EAGER_NOVAL: list[str] = [*LIT_FULL_NOVAL[:2], "callbacks=[default,chunked_loss,keep_freed_memory]",
-                                   *LIT_FULL_NOVAL[3:]]
+LIT_FULL_EAGER_NOVAL: list[str] = ["peft=none", "optimizer=adamw_fused", *LIT_LORA_EAGER_NOVAL,
+                                   "~callbacks.model_checkpoint"]
 LIT_MEMORY_LORA: list[str] = ["peft.base_dtype=bf16",
                                "callbacks=[default,chunked_loss,activation_checkpointing,return_freed_memory]"]
 LIT_MEMORY_LORA_INT8: list[str] = ["peft.base_dtype=int8", *LIT_MEMORY_LORA[1:]]

@@ -258,8 +258,7 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
     import psutil
 
     from lit_speed.memory.allocator import trim_heap
-    from lit_speed.memory.rss_estimate import load_peak_bytes, predict_peak_rss
-    from lit_speed.precision.modes import spec
+    from lit_speed.memory.rss_estimate import predict_peak_rss
 
     folder = hf_folder(cfg)
     if folder is None:
@@ -277,20 +276,34 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
         cache[key] = _probe(cfg, facts, levers)
         trim_heap()  # what the probe's copies freed stays in glibc's heaps otherwise (50M Qwen2, Z3: 47-90 MiB)
     probe, step_temp, state_bytes = cache[key]
-    weight_bytes = 2 if spec(facts.precision).module_dtype is not None else 4
     micro_scale = levers.micro_batch / max(configured.micro_batch, 1)
     tokens = int(facts.tokens * micro_scale)
     return predict_peak_rss(step_extra=_chunk_extra(cfg, facts, levers, tokens) if levers.chunked_loss else 0,
-        process=process, frozen_params=facts.frozen, frozen_bytes=1 if levers.base_int8 else 2 if levers.base_bf16 else weight_bytes,
+        process=process, frozen_params=facts.frozen, frozen_bytes=_frozen_bytes(facts, levers),
         trainable_params=facts.trainable, trainable_bytes=4, state_bytes_per_param=state_bytes,
         step_temp_per_param=step_temp, probe=probe, layers=facts.layers, vocab=facts.vocab,
-        tokens=tokens, load_bytes=load_peak_bytes(
-            facts.file_bytes, facts.frozen + facts.trainable, 2 if (levers.base_bf16 or levers.base_int8)
-            and facts.file_dtype_bytes == 2
-            else 4, facts.file_dtype_bytes)
+        tokens=tokens, load_bytes=_read_bytes(facts, levers)
         # int8: the base is quantized after it is read, so its int8 copy adds to what loading holds (1B-dims folder,
         # Z3: 2.49 GB of the folder's file pages + 3.0 GB anonymous at the peak, while quantizing)
         + (facts.frozen if levers.base_int8 else 0), export_bytes=_export_bytes(cfg, facts, levers))
+
+
+def _frozen_bytes(facts: RunFacts, levers: Levers) -> int:
+    """Bytes per frozen parameter: int8 or bf16 base levers, else the precision's module dtype (bf16-true: 2)."""
+    from lit_speed.precision.modes import spec
+
+    if levers.base_int8:
+        return 1
+    return 2 if levers.base_bf16 or spec(facts.precision).module_dtype is not None else 4
+
+
+def _read_bytes(facts: RunFacts, levers: Levers) -> int:
+    """What ``from_pretrained`` holds while reading the folder (:func:`~lit_speed.memory.rss_estimate.
+    load_peak_bytes`): bf16 where a bf16/int8 base is read from a bf16 file, else float32."""
+    from lit_speed.memory.rss_estimate import load_peak_bytes
+
+    load_dtype_bytes = 2 if (levers.base_bf16 or levers.base_int8) and facts.file_dtype_bytes == 2 else 4
+    return load_peak_bytes(facts.file_bytes, facts.frozen + facts.trainable, load_dtype_bytes, facts.file_dtype_bytes)
 
 
 def _chunk_extra(cfg: DictConfig, facts: RunFacts, levers: Levers, tokens: int) -> int:
@@ -323,16 +336,9 @@ def gpu_run_host_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> tupl
     ``from_pretrained`` reads them (then they move to the GPU); ``end``: Lightning's ``Strategy.teardown`` moves the
     module and the optimizer's state back to the CPU before ``on_fit_end`` (measured on an H200, 0.5B full
     fine-tuning: +6 GB of host RSS in the run's last seconds), and the export writes from there."""
-    from lit_speed.memory.rss_estimate import load_peak_bytes
-    from lit_speed.precision.modes import spec
-
-    weight_bytes = 2 if spec(facts.precision).module_dtype is not None else 4
-    frozen_bytes = 1 if levers.base_int8 else 2 if levers.base_bf16 else weight_bytes
-    weights = facts.frozen * frozen_bytes + facts.trainable * 4
+    weights = facts.frozen * _frozen_bytes(facts, levers) + facts.trainable * 4
     state = int(facts.trainable * _state_bytes(facts, levers, []))
-    load_dtype_bytes = 2 if (levers.base_bf16 or levers.base_int8) and facts.file_dtype_bytes == 2 else 4
-    load = load_peak_bytes(facts.file_bytes, facts.frozen + facts.trainable, load_dtype_bytes, facts.file_dtype_bytes)
-    return load, weights + state + _export_bytes(cfg, facts, levers)
+    return _read_bytes(facts, levers), weights + state + _export_bytes(cfg, facts, levers)
 
 
 def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> None:
