@@ -2,20 +2,39 @@
 import it). At 0.5-1B parameters a gradient or an embedding is 0.5-1 GiB, and a check that copies it is a peak."""
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import Tensor
 
-#: Elements checked at once by :func:`finite`. ``torch.isfinite(t).all()`` makes temporaries as large as ``t`` (its
-#: absolute value and two masks): on the float32 gradient of a 0.5B model's embedding (136M elements) 911 MiB above
-#: the tensor, on a 1B model's bf16 embedding 1,254 MiB (measured on Z3), at the moment every gradient is alive.
-#: In chunks of 4M elements: 81 MiB.
-FINITE_CHUNK = 1 << 22
+_INF = float("inf")
+
+
+@torch.no_grad()
+def all_finite(tensors: Iterable[Tensor]) -> Tensor:
+    """A 0-dim bool tensor: every element of every tensor is finite (no host sync).
+
+    One max-|x| reduction per (device, dtype) group, ``torch._foreach_norm(ord=inf)`` (the op ``clip_grad_norm_``
+    uses for its norms): on CUDA one multi-tensor kernel for all of a model's gradients instead of two launches per
+    gradient (a 0.5B model has ~300; launch-bound steps paid for them), on the CPU a reduction that makes no
+    temporary (``torch.isfinite(t).all()`` makes masks as large as ``t``: 911 MiB above a 0.5B model's float32
+    embedding gradient) and reads each tensor once (2.3x faster than the chunked isfinite it replaces, on a 136M
+    element float32 tensor on Z3). The maximum propagates NaN and keeps inf, so it is finite iff every element is.
+    Tensors with no elements, and integer ones, are finite."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    devices = []
+    for t in tensors:
+        devices.append(t.device)
+        if t.numel() and (t.is_floating_point() or t.is_complex()):
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    if not groups:
+        return torch.ones((), dtype=torch.bool, device=devices[0] if devices else None)
+    flags = [torch.isfinite(torch.stack(torch._foreach_norm(group, _INF))).all() for group in groups.values()]
+    if len(flags) == 1:
+        return flags[0]
+    return torch.stack([flag.to(flags[0].device) for flag in flags]).all()
 
 
 def finite(tensor: Tensor) -> Tensor:
-    """A 0-dim bool tensor: every element of ``tensor`` is finite (no host sync), checked :data:`FINITE_CHUNK`
-    elements at a time so that no temporary as large as the tensor is made."""
-    tensor = tensor.detach()
-    if tensor.numel() <= FINITE_CHUNK or not tensor.is_contiguous():
-        return torch.isfinite(tensor).all()
-    return torch.stack([torch.isfinite(chunk).all() for chunk in tensor.view(-1).split(FINITE_CHUNK)]).all()
+    """A 0-dim bool tensor: every element of ``tensor`` is finite (no host sync, no temporary its size)."""
+    return all_finite([tensor])

@@ -331,7 +331,7 @@ class GuardedPrecision(GuardReport, Precision):
         pl_compat.run_before_step_hooks_and_clipping(self, model, optimizer)
         grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
         loss_finite = self._loss_finite if self._loss_finite is not None else torch.tensor(True)
-        flags = torch.stack([loss_finite.cpu(), all_finite(grads).cpu()]).tolist()  # the one host sync
+        flags = torch.stack([loss_finite, all_finite(grads).to(loss_finite.device)]).tolist()  # the one host sync
         self._loss_finite = None
         trainer = model.trainer
         bad = self._any_rank(trainer, not all(flags))

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
 
-from lit_speed.tensors import finite
+from lit_speed.tensors import all_finite, finite
+
+__all__ = ["Action", "GuardCounters", "all_finite", "decide", "first_nonfinite", "is_genuine"]
 
 
 class Action(enum.Enum):
@@ -45,13 +47,6 @@ class GuardCounters:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.consecutive_bad = int(state.get("consecutive_bad", 0))
         self.fallbacks = [dict(f) for f in state.get("fallbacks", [])]
-
-
-def all_finite(tensors: Sequence[Tensor]) -> Tensor:
-    """A 0-dim bool tensor: every element of every tensor is finite (no host sync)."""
-    if not tensors:
-        return torch.tensor(True)
-    return torch.stack([finite(t).to(tensors[0].device) for t in tensors]).all()
 
 
 def first_nonfinite(named: Iterable[tuple[str, Tensor]]) -> str | None:
