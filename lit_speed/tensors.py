@@ -18,8 +18,8 @@ def all_finite(tensors: Iterable[Tensor]) -> Tensor:
     uses for its norms): on CUDA one multi-tensor kernel for all of a model's gradients instead of two launches per
     gradient (a 0.5B model has ~300; launch-bound steps paid for them), on the CPU a reduction that makes no
     temporary (``torch.isfinite(t).all()`` makes masks as large as ``t``: 911 MiB above a 0.5B model's float32
-    embedding gradient) and reads each tensor once (2.3x faster than the chunked isfinite it replaces, on a 136M
-    element float32 tensor on Z3). The maximum propagates NaN and keeps inf, so it is finite iff every element is.
+    embedding gradient) and reads each tensor once (the 290 float32 gradients of a 0.5B model: 0.88 s against 1.20 s
+    for the chunked isfinite it replaces, on a 2-core Zen3; ``benchmarks/bench_finite_check.py``). The maximum propagates NaN and keeps inf, so it is finite iff every element is.
     Tensors with no elements, and integer ones, are finite."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     devices = []
