@@ -47,6 +47,13 @@ def test_all_finite_mixes_dtypes_and_sizes_and_skips_what_cannot_be_non_finite()
         assert not bool(all_finite(grads))
         grads[i].view(-1)[-1] = 1.0
     assert bool(all_finite(grads))
+    embedding = torch.nn.Embedding(10, 4, sparse=True)  # a sparse gradient: its values are checked
+    embedding(torch.tensor([1, 2])).sum().backward()
+    assert embedding.weight.grad.is_sparse and bool(all_finite([embedding.weight.grad, *grads]))
+    embedding.weight.grad._values()[1, 3] = float("inf")
+    assert not bool(all_finite([embedding.weight.grad, *grads]))
+    csr = torch.eye(3).to_sparse_csr()
+    assert bool(finite(csr)) and not bool(finite((torch.eye(3) * float("nan")).to_sparse_csr()))
     leaf = torch.ones(4, requires_grad=True)  # a parameter itself (the end-of-fit check): no graph, no error
     assert bool(finite(leaf)) and not finite(leaf).requires_grad
 
