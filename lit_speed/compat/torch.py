@@ -14,13 +14,26 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["TorchDispatchMode", "cpu_has_native_bf16", "foreach_copy_", "foreach_mul_", "is_compiled",
-           "is_compiled_wrapper", "tree_leaves", "tree_map", "uncompile"]
+__all__ = ["TorchDispatchMode", "cpu_has_native_bf16", "foreach_copy_", "foreach_max_abs", "foreach_mul_",
+           "is_compiled", "is_compiled_wrapper", "sparse_values", "tree_leaves", "tree_map", "uncompile"]
 
 
 def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: float) -> None:
     """Multiply every tensor in place by ``scalar`` in one fused kernel launch (``torch._foreach_mul_``)."""
     torch._foreach_mul_(tensors, scalar)
+
+
+def foreach_max_abs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The largest absolute value of each tensor, NaN where a tensor holds one (``torch._foreach_norm`` with
+    ``ord=inf``, the op ``clip_grad_norm_`` uses for its norms: one multi-tensor kernel on CUDA for tensors of one
+    device and dtype, a reduction per tensor without temporaries on the CPU)."""
+    return list(torch._foreach_norm(tensors, float("inf")))
+
+
+def sparse_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The stored values of a sparse tensor (COO: ``_values()``, which unlike ``values()`` needs no coalescing;
+    CSR/CSC/BSR: ``values()``)."""
+    return tensor._values() if tensor.is_sparse else tensor.values()
 
 
 def foreach_copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:

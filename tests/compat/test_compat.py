@@ -365,6 +365,18 @@ def test_foreach_ops_exist_and_act_in_place() -> None:
     assert target.dtype == torch.bfloat16 and target.tolist() == [1.5, -2.0]
 
 
+def test_foreach_max_abs_propagates_nan_and_inf_and_sparse_values_are_the_stored_ones() -> None:
+    # foreach_max_abs: torch._foreach_norm(ord=inf); sparse_values: Tensor._values() (COO) / values() (compressed)
+    tensors = [torch.tensor([1.0, -3.0]), torch.tensor([2.0, float("nan")]), torch.tensor([float("-inf")]),
+               torch.tensor([0.5], dtype=torch.bfloat16)]
+    top = [torch_compat.foreach_max_abs([t])[0] for t in tensors]
+    assert top[0].item() == 3.0 and top[1].isnan() and top[2].item() == float("inf") and top[3].dtype == torch.bfloat16
+    assert [t.item() for t in torch_compat.foreach_max_abs(tensors[:1] * 2)] == [3.0, 3.0]
+    coo = torch.sparse_coo_tensor([[0, 0]], [1.0, 2.0], (3,))  # uncoalesced: two stored values at one index
+    assert torch_compat.sparse_values(coo).tolist() == [1.0, 2.0]
+    assert torch_compat.sparse_values(torch.eye(2).to_sparse_csr()).tolist() == [1.0, 1.0]
+
+
 def test_mkldnn_bf16_check_is_still_an_op() -> None:
     # cpu_has_native_bf16(): torch.ops.mkldnn._is_mkldnn_bf16_supported (a build without mkldnn answers False)
     if torch.backends.mkldnn.is_available():
