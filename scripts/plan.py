@@ -28,7 +28,8 @@ def _csv(text: str) -> list[str]:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-mib", type=float, default=None, help="device memory per process (MiB)")
+    parser.add_argument("--budget-mib", type=float, default=None,
+                        help="device memory per process (MiB): RAM for a CPU run, the GPU's for a trainer=gpu run")
     parser.add_argument("--micro-batches", type=_csv, default=None,
                         help="candidate sizes (default: the config's, 4, 8, 16, 32)")
     parser.add_argument("--precisions", type=_csv, default=None,
@@ -44,46 +45,75 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
-    """Every lever set of :func:`lit_speed.run.fit_check.lever_sets` with its predicted peak RSS (no weights read)."""
+    """Every lever set of :func:`lit_speed.run.fit_check.lever_sets` with its predicted peak RSS (no weights read).
+
+    A run that trains on one GPU (``trainer=gpu``) gets the GPU's column too: its step's predicted GPU memory
+    (:func:`~lit_speed.run.fit_check.gpu_step_bytes`) against ``budget`` (``--budget-mib``) or the device's free
+    memory; its peak RSS is then the host side of a GPU run (loading, and the end of fit), not a CPU step's."""
     import psutil
+    import torch
     from rich.console import Console
     from rich.table import Table
 
     from lit_speed.memory.rss_estimate import gib
-    from lit_speed.run.fit_check import callback_nodes, configured_levers, estimate_run, lever_sets
+    from lit_speed.run import fit_check
 
     process = psutil.Process().memory_info().rss
-    budget = budget if budget is not None else process + psutil.virtual_memory().available
-    configured = configured_levers(cfg)
-    table = Table(title=f"predicted peak RSS (budget {gib(budget)}: --budget-mib or this machine's free memory)",
-                  title_justify="left")
+    configured = fit_check.configured_levers(cfg)
+    device = fit_check.gpu_to_judge(cfg)
+    gpu = fit_check.trains_on_gpu(cfg)
+    ram = process + psutil.virtual_memory().available
+    if gpu:
+        gpu_budget = budget if budget is not None else (
+            torch.cuda.mem_get_info(device)[0] if device is not None and torch.cuda.is_available() else None)
+        budget = ram
+    else:
+        gpu_budget, budget = None, budget if budget is not None else ram
+    title = f"predicted peak RSS (budget {gib(budget)}: {'this machine' if gpu else '--budget-mib or this machine'}'s " \
+            "free memory)"
+    if gpu:
+        title += "; the GPU step's memory (budget " + (gib(gpu_budget) if gpu_budget is not None else
+                                                       "unknown here: --budget-mib") + ")"
+    table = Table(title=title, title_justify="left")
     for name in ("#", "levers", "weights GiB", "optimizer GiB", "step GiB", "load GiB", "export GiB", "peak RSS GiB",
-                 "fits"):
+                 *(("GPU GiB",) if gpu else ()), "fits"):
         table.add_column(name, justify="left" if name == "levers" else "right", no_wrap=name == "levers")
     first_fit = None
     commands, rows = [], []
     cache: dict = {}  # one probe per kind of row: rows that differ in micro-batch only share it
-    for i, levers in enumerate(lever_sets(configured, not configured.lora)):
-        estimate = estimate_run(cfg, levers, process, cache=cache)
-        fix = " ".join(levers.overrides(configured, list(callback_nodes(cfg)))) or "(as configured)"
+    for i, levers in enumerate(fit_check.lever_sets(configured, not configured.lora)):
+        estimate = fit_check.estimate_run(cfg, levers, 0 if gpu else process, cache=cache)
+        fix = " ".join(levers.overrides(configured, list(fit_check.callback_nodes(cfg)))) or "(as configured)"
         added = [short for name, short in (("chunked_loss", "chunk"), ("base_bf16", "bf16"), ("low_bit_states", "8bit"),
                                            ("checkpointing", "ckpt"), ("base_int8", "int8"), ("lora", "lora"))
                  if getattr(levers, name) and not getattr(configured, name)]
         if levers.micro_batch != configured.micro_batch:
             added.append(f"mb{levers.micro_batch}")
-        fits = estimate.peak <= budget
+        extra: dict = {}
+        if gpu:  # the host holds the load and the end of fit; the step lives on the GPU
+            facts = cache[("facts", levers.lora)]
+            load, end = fit_check.gpu_run_host_bytes(cfg, facts, levers)
+            peak = process + max(load, end)
+            extra = {"gpu_step": fit_check.gpu_step_bytes(estimate), "host_end": end}  # the table shows the first
+            fits = peak <= budget and (gpu_budget is None or extra["gpu_step"] <= gpu_budget)
+        else:
+            peak = estimate.peak
+            fits = peak <= budget
         first_fit = first_fit if first_fit is not None or not fits else (i, fix)
         table.add_row(f"{i}{'*' if i == 0 else ''}", "+".join(added) or "-",
                       *(f"{b / 2**30:.2f}" for b in (estimate.weights, estimate.optimizer,
                                                      max(estimate.step, estimate.optimizer_step), estimate.load,
-                                                     estimate.export, estimate.peak)), "yes" if fits else "no")
+                                                     estimate.export, peak, *list(extra.values())[:1])),
+                      "yes" if fits else "no")
         commands.append(f"#{i}: {fix}")
-        rows.append({"row": i, "overrides": fix, "fits": fits, **estimate.parts()})
+        rows.append({"row": i, "overrides": fix, "fits": fits, **estimate.parts(), "peak": peak, **extra})
     if json_path is not None:
-        json_path.write_text(json.dumps({"budget": budget, "rows": rows}, indent=1))
+        json_path.write_text(json.dumps({"budget": budget, "gpu_budget": gpu_budget, "rows": rows}, indent=1))
     Console(soft_wrap=True).print(table)
     for line in commands:  # plain print: brackets must not be read as rich markup
         print(line)
+    if gpu and device is None:
+        print("GPU column: the step of one process on one GPU (not judged for DDP or ZeRO: their state is per rank)")
     if first_fit is None:
         print("Nothing fits: a smaller model, data.block_size, or a machine with more memory")
         return 1

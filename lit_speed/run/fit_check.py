@@ -341,11 +341,76 @@ def gpu_run_host_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> tupl
     return _read_bytes(facts, levers), weights + state + _export_bytes(cfg, facts, levers)
 
 
-def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> None:
+#: The GPU memory a step holds over the tensors the probe counts (weights, optimizer state, the step's own
+#: tensors): the CUDA caching allocator's rounding and the kernels' workspaces (cuBLAS, cuDNN attention). Set from
+#: the H200 runs of ``bench_real_size.py --device cuda`` (see ``gpu_step_bytes``).
+GPU_SLACK = 1.10
+
+
+def gpu_to_judge(cfg: DictConfig) -> int | None:
+    """The CUDA device index a run's step is judged on, from the config, or None where the GPU side is not judged:
+    more than one process (DDP and ZeRO hold the state per rank differently), or a strategy other than ``auto``."""
+    if not trains_on_gpu(cfg):
+        return None
+    strategy = cfg.get("strategy")
+    name = str(strategy.get("name", "auto")) if isinstance(strategy, DictConfig) else str(strategy or "auto")
+    if target_of(strategy) or name != "auto":
+        return None
+    devices = OmegaConf.select(cfg, "trainer.devices", default=1)
+    nodes = OmegaConf.select(cfg, "trainer.num_nodes", default=1)
+    if isinstance(devices, (list, ListConfig)):
+        return int(devices[0]) if len(devices) == 1 and int(nodes or 1) == 1 else None
+    single = str(devices) == "1" or (str(devices) == "auto" and torch.cuda.device_count() <= 1)
+    return 0 if single and int(nodes or 1) == 1 else None
+
+
+def gpu_step_bytes(estimate: Any) -> int:
+    """The GPU memory of a run's step from the CPU probe's estimate (:func:`estimate_run` with no process): weights,
+    optimizer state and the larger of the step's tensors and the optimizer step's, times :data:`GPU_SLACK`. The
+    probe runs eager under CPU autocast in the run's precision: a compiled step holds less (the H200 rows: LoRA 4.61
+    vs 5.38 GiB of step tensors compiled/eager), so the prediction is the eager step's."""
+    return int((estimate.weights + estimate.optimizer + max(estimate.step, estimate.optimizer_step)) * GPU_SLACK)
+
+
+def _check_fits_gpu(cfg: DictConfig, facts: RunFacts, configured: Levers, device: int,
+                    free_bytes: int | None) -> None:
+    """Refuse a single-GPU run whose step will not fit in the device's free memory, naming the cheapest lever set
+    that fits there (the same search as the RAM check's)."""
+    from lit_speed.memory.rss_estimate import gib
+
+    free = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
+    if generous_bound(facts, 0) <= free:
+        return  # fits even counted generously: no probe
+    cache: dict = {}
+    try:
+        estimate = estimate_run(cfg, configured, 0, facts, cache=cache)
+    except Exception as error:  # noqa: BLE001 - a probe that cannot run must not stop a run it cannot judge
+        warnings.warn(f"lit_speed.run.fit_check: the GPU memory estimate could not run ({type(error).__name__}: "
+                      f"{error}); the run goes on unchecked", stacklevel=3)
+        return
+    need = gpu_step_bytes(estimate)
+    if need <= free:
+        return
+    what = (f"this run's step needs about {gib(need)} of GPU memory (weights {gib(estimate.weights)}, optimizer "
+            f"{gib(estimate.optimizer)}, step {gib(max(estimate.step, estimate.optimizer_step))}; predicted eager, "
+            f"x{GPU_SLACK:.2f} for the allocator), cuda:{device} has {gib(free)} free")
+    callbacks = list(callback_nodes(cfg))
+    for levers in lever_sets(configured, not configured.lora)[1:]:
+        other = gpu_step_bytes(estimate_run(cfg, levers, 0, cache=cache))
+        if other <= free:
+            raise ConfigError(f"{what}. Fix: {' '.join(levers.overrides(configured, callbacks))} (predicted "
+                              f"{gib(other)}); scripts/plan.py shows the parts")
+    raise ConfigError(f"{what}, and no lever set fits (chunked loss, a bf16 base, 8-bit states, checkpointing, LoRA, "
+                      "micro-batch 1). Fix: a smaller model, data.block_size, a GPU with more memory, or "
+                      "strategy=zero3_offload")
+
+
+def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None, gpu_free_bytes: int | None = None) -> None:
     """Refuse, before the weights are read, a Hugging Face run whose predicted peak RSS exceeds the memory this
     machine has free, naming the cheapest lever set (:func:`lever_sets`) that fits. A run on a GPU is judged by what
-    it holds in the host's RAM (:func:`gpu_run_host_bytes`), not by the CPU step's estimate; the GPU's own memory is
-    not predicted here."""
+    it holds in the host's RAM (:func:`gpu_run_host_bytes`), not by the CPU step's estimate, and, on one GPU, by its
+    step's GPU memory against the device's free memory (:func:`gpu_step_bytes`; ``gpu_free_bytes`` stands in for
+    ``torch.cuda.mem_get_info`` in tests)."""
     import psutil
 
     from lit_speed.memory.rss_estimate import gib
@@ -361,6 +426,9 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None) -> No
         load, end = gpu_run_host_bytes(cfg, facts, configured)
         peak = process + max(load, end)
         if peak <= budget:
+            device = gpu_to_judge(cfg)  # judged where the device's free memory can be read (or is given)
+            if device is not None and (gpu_free_bytes is not None or torch.cuda.is_available()):
+                _check_fits_gpu(cfg, facts, configured, device, gpu_free_bytes)
             return
         raise ConfigError(f"this run trains on the GPU and needs about {gib(peak)} of host RAM at its peak (loading "
                           f"the weights {gib(load)}; at the end of fit Lightning's teardown moves the weights and the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -127,6 +128,36 @@ def test_a_gpu_run_is_judged_by_its_host_side_not_by_the_cpu_step(make_cfg, fold
         fit_check.check_fits_memory(gpu, available_bytes=1)
 
 
+def test_on_one_gpu_the_step_is_judged_against_the_devices_free_memory(make_cfg, folder, texts, monkeypatch):
+    # no GPU here: the device's free memory is given (gpu_free_bytes stands in for torch.cuda.mem_get_info); the
+    # prediction is the CPU probe's (eager, the run's precision under autocast), checked on an H200 in RESULTS.md
+    monkeypatch.setattr(fit_check, "generous_bound", lambda facts, process: 10**15)  # always probe
+    gpu = make_cfg(_args(folder, texts, "peft=none", "trainer=gpu", "precision=bf16-mixed"))
+    estimate = fit_check.estimate_run(gpu, process_bytes=0)
+    need = fit_check.gpu_step_bytes(estimate)
+    assert need == int((estimate.weights + estimate.optimizer + max(estimate.step, estimate.optimizer_step))
+                       * fit_check.GPU_SLACK) and estimate.weights > 0 and estimate.step > 0
+    fit_check.check_fits_memory(gpu, available_bytes=8 * 2**30, gpu_free_bytes=need)  # exactly enough: runs
+    lora = fit_check.estimate_run(gpu, replace(fit_check.configured_levers(gpu), lora=True), process_bytes=0)
+    assert fit_check.gpu_step_bytes(lora) < need
+    with pytest.raises(ConfigError, match=r"this run's step needs about .* of GPU memory \(weights .*, optimizer "
+                                          r".*, step .*\), cuda:0 has .* free\. Fix: .* \(predicted .*\)"):
+        fit_check.check_fits_memory(gpu, available_bytes=8 * 2**30, gpu_free_bytes=need - 1)
+    with pytest.raises(ConfigError, match=r"GPU memory .* and no lever set fits .* a GPU with more memory"):
+        fit_check.check_fits_memory(gpu, available_bytes=8 * 2**30, gpu_free_bytes=1)
+    cpu = make_cfg(_args(folder, texts, "peft=none"))
+    fit_check.check_fits_memory(cpu, available_bytes=8 * 2**30, gpu_free_bytes=1)  # a CPU run: no GPU judged
+
+
+@pytest.mark.parametrize("extra, device", [(["trainer=gpu"], 0), (["trainer=gpu", "trainer.devices=[3]"], 3),
+                                           (["trainer=gpu", "trainer.devices=2"], None),
+                                           (["trainer=gpu", "trainer.num_nodes=2"], None),
+                                           (["trainer=gpu", "strategy=zero2"], None),
+                                           (["trainer=gpu", "strategy=ddp"], None), ([], None)])
+def test_the_gpu_side_is_judged_for_one_process_on_one_gpu_only(make_cfg, folder, texts, extra, device):
+    assert fit_check.gpu_to_judge(make_cfg(_args(folder, texts, *extra))) == device
+
+
 ACCURACY_SCRIPT = r"""
 import json, resource, sys
 from lit_speed.run.config_check import preflight
@@ -179,6 +210,17 @@ def test_plan_script_prints_the_predicted_peak_rss_of_every_lever_set_for_a_hugg
     assert "#4: " in fits.stdout and "peft=lora peft.base_dtype=bf16" in fits.stdout  # the LoRA row's overrides
     nothing = subprocess.run([*args, "--budget-mib", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert nothing.returncode == 1 and "Nothing fits" in nothing.stdout, nothing.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_plan_script_shows_the_gpu_step_of_a_gpu_run_against_budget_mib(folder, texts):
+    args = [sys.executable, "scripts/plan.py", *_args(folder, texts, "peft=none", "trainer=gpu", "precision=bf16-mixed")]
+    wide = {**os.environ, "COLUMNS": "200"}
+    fits = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=wide)
+    assert fits.returncode == 0 and "GPU GiB" in fits.stdout and "budget unknown here" in fits.stdout, fits.stdout[-2000:]
+    tight = subprocess.run([*args, "--budget-mib", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=wide)
+    assert tight.returncode == 0 and "cheapest that fits: #0" not in tight.stdout, tight.stdout[-2000:]
+    assert "cheapest that fits: #" in tight.stdout  # a lever set that puts the tiny step under 2 MiB
 
 
 def test_the_adapter_settings_are_read_without_resolving_the_other_peft_keys():
