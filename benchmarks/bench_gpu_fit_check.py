@@ -4,7 +4,7 @@
 
 ``bench_real_size.py --device cuda`` records, for every lit_speed row, the command it ran and the step-wise maximum of
 ``torch.cuda.max_memory_allocated`` (its recorder). This script composes each of those rows' configs again (the
-recorder's and the run folder's overrides left out), asks ``lit_speed.run.fit_check`` what the step needs on the GPU
+bench's own callbacks and the run folder's overrides left out), asks ``lit_speed.run.fit_check`` what the step needs on the GPU
 (:func:`~lit_speed.run.fit_check.estimate_run` with no process: the CPU probe in the run's precision, eager; the
 tensors, then x ``GPU_SLACK`` for what the check compares with the device's free memory) and writes both beside the
 measured peak. The measurement is the GPU run's (dated in its JSON); the prediction is made here, on this machine.
@@ -22,7 +22,7 @@ from _common import ROOT, write_result  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--from", dest="source", type=Path,
+    parser.add_argument("--from", dest="source", type=lambda p: Path(p).resolve(),
                         default=ROOT / "benchmarks" / "results" / "real_size_speed_h200_eager2.json")
     args = parser.parse_args(argv)
     from model_folders import build
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         overrides = []
         for arg in row["command"].split()[1:]:
-            if arg.startswith(("+callbacks.bench", "hydra.run.dir=", "peft.export_dir=")):
+            if arg.startswith(("+callbacks.", "hydra.run.dir=", "peft.export_dir=")):  # the bench's recorder/profiler
                 continue
             key, _, value = arg.partition("=")
             if key == "model.pretrained":  # this machine's copy of the same folder
@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> None:
             f"({run['machine'].get('gpu')}, {run['date'][:10]}): "
             + ", ".join(f"{r['name']} {r['predicted_tensors'] / 2**30:.2f}/{r['measured_peak'] / 2**30:.2f} GiB "
                         f"x{r['predicted_over_measured']}" for r in rows) + f"; checked with x{fit_check.GPU_SLACK}")
-    write_result("gpu_fit_check", {"source": str(args.source.relative_to(ROOT)), "gpu": run["machine"].get("gpu"),
-                                   "slack": fit_check.GPU_SLACK, "rows": rows}, line)
+    name = f"gpu_fit_check_{args.source.stem.removeprefix('real_size_speed_')}"
+    write_result(name, {"source": str(args.source.relative_to(ROOT)), "gpu": run["machine"].get("gpu"),
+                        "slack": fit_check.GPU_SLACK, "rows": rows}, line)
 
 
 if __name__ == "__main__":
