@@ -171,15 +171,11 @@ print("RESULT " + json.dumps({"predicted": estimate.peak, "parts": estimate.part
 """
 
 
-@pytest.mark.slow
-def test_the_predicted_peak_rss_is_within_15_percent_of_the_measured_one_on_a_50m_parameter_model(tmp_path, texts):
-    # the estimate as the runner makes it (in the training process, before the weights load) against that process's
-    # peak RSS: full fine-tuning in float32 with AdamW, the peak of a real-size run's kind (weights, gradients, states)
+def _qwen2_50m(folder):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from tests.helpers.tiny_hf import tiny_tokenizer
 
-    folder = tmp_path / "qwen2_50m"
     config = Qwen2Config(vocab_size=32_000, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                          tie_word_embeddings=True)
@@ -188,6 +184,47 @@ def test_the_predicted_peak_rss_is_within_15_percent_of_the_measured_one_on_a_50
     assert 45e6 < sum(p.numel() for p in model.parameters()) < 100e6
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+GPU_ACCURACY_SCRIPT = r"""
+import json, sys, torch
+from lit_speed.run.config_check import preflight
+from lit_speed.run import fit_check
+from lit_speed.run.runner import train
+cfg = preflight(sys.argv[1:])
+estimate = fit_check.estimate_run(cfg, process_bytes=0)
+train(cfg)
+print("RESULT " + json.dumps({"predicted": estimate.weights + estimate.optimizer + max(estimate.step,
+                              estimate.optimizer_step), "parts": estimate.parts(),
+                              "measured": torch.cuda.max_memory_allocated()}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the GPU step's measured peak")
+@pytest.mark.parametrize("extra", [["peft=none"], ["peft=lora"]])
+def test_on_a_gpu_the_predicted_step_is_within_15_percent_of_the_measured_peak(tmp_path, texts, extra):
+    # the GPU side of the fit check as the runner makes it (the CPU probe in bf16-mixed, eager) against
+    # torch.cuda.max_memory_allocated of the same run (no callback resets it: callbacks=none)
+    folder = _qwen2_50m(tmp_path / "qwen2_50m")
+    args = ["model=hf_causal_lm", "data=text_folder", f"model.pretrained={folder}", f"data.root={texts}",
+            "data.block_size=256", "data.batch_size=4", "trainer.max_steps=3", "logger=none", "callbacks=none",
+            "validate=false", "trainer.enable_progress_bar=false", "trainer.limit_val_batches=0",
+            "trainer.num_sanity_val_steps=0", "trainer=gpu", "precision=bf16-mixed", *extra,
+            f"hydra.run.dir={tmp_path / 'run'}", f"paths.output_dir={tmp_path / 'run'}"]
+    done = subprocess.run([sys.executable, "-c", GPU_ACCURACY_SCRIPT, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert 0.85 <= result["predicted"] / result["measured"] <= 1.15, json.dumps(result)
+
+
+@pytest.mark.slow
+def test_the_predicted_peak_rss_is_within_15_percent_of_the_measured_one_on_a_50m_parameter_model(tmp_path, texts):
+    # the estimate as the runner makes it (in the training process, before the weights load) against that process's
+    # peak RSS: full fine-tuning in float32 with AdamW, the peak of a real-size run's kind (weights, gradients, states)
+    folder = _qwen2_50m(tmp_path / "qwen2_50m")
     args = ["model=hf_causal_lm", "data=text_folder", f"model.pretrained={folder}", f"data.root={texts}",
             "data.block_size=256", "data.batch_size=4", "data.val_every=3", "trainer.max_steps=3", "logger=none",
             "callbacks=none", "validate=false", "peft=none", "trainer.enable_progress_bar=false",
