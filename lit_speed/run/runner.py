@@ -113,6 +113,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     run_summary = RunSummary(monitor=cfg.monitor, mode=cfg.monitor_mode)
     # RunPlanCheck first: it chooses the monitor at the first validation before RunSummary reads it
     callbacks += [RunPlanCheck(monitor=cfg.monitor, final_validation=bool(cfg.get("validate"))), run_summary]
+    callbacks.insert(0, run_summary.data_ready())  # the first callback's setup: where the DataModule's set-up ends
     loggers = _instantiate_group(cfg.get("logger"))
     if not loggers:
         dropped = [cb for cb in callbacks if isinstance(cb, pl.callbacks.LearningRateMonitor)]

@@ -63,6 +63,7 @@ class RunSummary(Callback):
         self.best_step: int | None = None
         self.fit_called_at: float | None = None  # set by the runner just before trainer.fit
         self._setup_at: float | None = None
+        self._marked_first = False  # DataReady marked this set-up round
         self._fit_start = 0.0
         self._val_start = 0.0
         self._batch_start = 0.0
@@ -79,12 +80,26 @@ class RunSummary(Callback):
         if self.monitor is None:
             self.monitor, self.mode = monitor, mode
 
-    @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        # Lightning runs prepare_data and the DataModule's setup just before the callbacks' setup
+    def data_ready(self) -> "DataReady":
+        """A callback to put first in the Trainer's list: it ends ``data`` before any other callback's ``setup`` runs
+        (a regional compile, a timed choice), so their set-up counts as ``fit_setup``, not as data."""
+        return DataReady(self)
+
+    def mark_data_ready(self, stage: str, first: bool = False) -> None:
+        """Lightning runs ``prepare_data`` and the DataModule's ``setup`` just before the callbacks' ``setup``: the
+        first mark of a set-up round (``first``: from :class:`DataReady`) ends ``data``; this callback's own
+        ``setup`` then only closes the round (alone, without a DataReady, it marks)."""
+        if self._marked_first:
+            self._marked_first = False
+            return
         self._setup_at = time.perf_counter()
+        self._marked_first = first
         if stage == "fit" and self.fit_called_at is not None:
             self.phases["data"] = self._setup_at - self.fit_called_at
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self.mark_data_ready(stage)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -178,3 +193,14 @@ class RunSummary(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.best = state_dict.get("best")
         self.best_step = state_dict.get("best_step")
+
+
+class DataReady(Callback):
+    """:meth:`RunSummary.data_ready`: marks the end of the DataModule's set-up for a :class:`RunSummary`."""
+
+    def __init__(self, summary: RunSummary) -> None:
+        self.summary = summary
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self.summary.mark_data_ready(stage, first=True)
