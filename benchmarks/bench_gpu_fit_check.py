@@ -4,10 +4,10 @@
 
 ``bench_real_size.py --device cuda`` records, for every lit_speed row, the command it ran and the step-wise maximum of
 ``torch.cuda.max_memory_allocated`` (its recorder). This script composes each of those rows' configs again (the
-bench's own callbacks and the run folder's overrides left out), asks ``lit_speed.run.fit_check`` what the step needs on the GPU
-(:func:`~lit_speed.run.fit_check.estimate_run` with no process: the CPU probe in the run's precision, eager; the
-tensors, then x ``GPU_SLACK`` for what the check compares with the device's free memory) and writes both beside the
-measured peak. The measurement is the GPU run's (dated in its JSON); the prediction is made here, on this machine.
+bench's own callbacks and the run folder's overrides left out), asks ``lit_speed.run.fit_check`` what the step
+needs on the GPU (:func:`~lit_speed.run.fit_check.estimate_run` with no process: the CPU probe in the run's
+precision, eager; the tensors, then x ``GPU_SLACK`` for what the check compares with the device's free memory) and
+writes both beside the measured peak. The measurement is the GPU run's (dated in its JSON); the prediction is made here, on this machine.
 """
 from __future__ import annotations
 

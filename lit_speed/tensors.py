@@ -15,12 +15,14 @@ def all_finite(tensors: Iterable[Tensor]) -> Tensor:
     """A 0-dim bool tensor: every element of every tensor is finite (no host sync).
 
     One max-|x| reduction per (device, dtype) group (:func:`~lit_speed.compat.torch.foreach_max_abs`:
-    ``torch._foreach_norm(ord=inf)``, the op ``clip_grad_norm_`` uses for its norms): on CUDA one multi-tensor kernel for all of a model's gradients instead of two launches per
-    gradient (a 0.5B model has ~300; launch-bound steps paid for them), on the CPU a reduction that makes no
-    temporary (``torch.isfinite(t).all()`` makes masks as large as ``t``: 911 MiB above a 0.5B model's float32
-    embedding gradient) and reads each tensor once (the 290 float32 gradients of a 0.5B model: 0.88 s against 1.20 s
-    for the chunked isfinite it replaces, on a 2-core Zen3; ``benchmarks/bench_finite_check.py``). The maximum propagates NaN and keeps inf, so it is finite iff every element is.
-    Tensors with no elements, and integer ones, are finite; a sparse tensor is checked by its stored values."""
+    ``torch._foreach_norm(ord=inf)``, the op ``clip_grad_norm_`` uses for its norms). On CUDA that is one
+    multi-tensor kernel for all of a model's gradients instead of two launches per gradient (a 0.5B model has ~300;
+    launch-bound steps paid for them). On the CPU it is a reduction that makes no temporary
+    (``torch.isfinite(t).all()`` makes masks as large as ``t``: 911 MiB above a 0.5B model's float32 embedding
+    gradient) and reads each tensor once (the 290 float32 gradients of a 0.5B model: 0.88 s against 1.20 s for the
+    chunked isfinite it replaces, on a 2-core Zen3; ``benchmarks/bench_finite_check.py``). The maximum propagates
+    NaN and keeps inf, so it is finite iff every element is. Tensors with no elements, and integer ones, are
+    finite; a sparse tensor is checked by its stored values."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     devices = []
     for t in tensors:

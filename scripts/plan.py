@@ -69,8 +69,8 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
         budget = ram
     else:
         gpu_budget, budget = None, budget if budget is not None else ram
-    title = f"predicted peak RSS (budget {gib(budget)}: {'this machine' if gpu else '--budget-mib or this machine'}'s " \
-            "free memory)"
+    source = "this machine's free memory" if gpu else "--budget-mib or this machine's free memory"
+    title = f"predicted peak RSS (budget {gib(budget)}: {source})"
     if gpu:
         title += "; the GPU step's memory (budget " + (gib(gpu_budget) if gpu_budget is not None else
                                                        "unknown here: --budget-mib") + ")"

@@ -251,11 +251,14 @@ def test_plan_script_prints_the_predicted_peak_rss_of_every_lever_set_for_a_hugg
 
 @pytest.mark.slow
 def test_plan_script_shows_the_gpu_step_of_a_gpu_run_against_budget_mib(folder, texts):
-    args = [sys.executable, "scripts/plan.py", *_args(folder, texts, "peft=none", "trainer=gpu", "precision=bf16-mixed")]
+    args = [sys.executable, "scripts/plan.py",
+            *_args(folder, texts, "peft=none", "trainer=gpu", "precision=bf16-mixed")]
     wide = {**os.environ, "COLUMNS": "200"}
     fits = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=wide)
-    assert fits.returncode == 0 and "GPU GiB" in fits.stdout and "budget unknown here" in fits.stdout, fits.stdout[-2000:]
-    tight = subprocess.run([*args, "--budget-mib", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=wide)
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    assert "GPU GiB" in fits.stdout and "budget unknown here" in fits.stdout, fits.stdout[-2000:]
+    tight = subprocess.run([*args, "--budget-mib", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env=wide)
     assert tight.returncode == 0 and "cheapest that fits: #0" not in tight.stdout, tight.stdout[-2000:]
     assert "cheapest that fits: #" in tight.stdout  # a lever set that puts the tiny step under 2 MiB
 
