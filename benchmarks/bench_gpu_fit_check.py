@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     from model_folders import build
 
     from lit_speed.data.charlm import source_root
-    from lit_speed.run import fit_check
+    from lit_speed.run import fit_check, fit_check_gpu
     from lit_speed.run.config_check import preflight
 
     run = json.loads(args.source.read_text())
@@ -50,18 +50,18 @@ def main(argv: list[str] | None = None) -> None:
         tensors = estimate.weights + estimate.optimizer + max(estimate.step, estimate.optimizer_step)
         measured = row["cuda_peak_bytes"]
         rows.append({"name": row["name"], "compiled": "compile]" in row["command"], "predicted_tensors": tensors,
-                     "checked_against_free": fit_check.gpu_step_bytes(estimate), "measured_peak": measured,
+                     "checked_against_free": fit_check_gpu.gpu_step_bytes(estimate), "measured_peak": measured,
                      "predicted_over_measured": round(tensors / measured, 3), "parts": estimate.parts()})
-        print(f"{row['name']}: predicted {tensors / 2**30:.2f} GiB (x{fit_check.GPU_SLACK} -> "
-              f"{fit_check.gpu_step_bytes(estimate) / 2**30:.2f}), measured {measured / 2**30:.2f} GiB: "
+        print(f"{row['name']}: predicted {tensors / 2**30:.2f} GiB (x{fit_check_gpu.GPU_SLACK} -> "
+              f"{fit_check_gpu.gpu_step_bytes(estimate) / 2**30:.2f}), measured {measured / 2**30:.2f} GiB: "
               f"x{tensors / measured:.3f}")
     line = (f"predicted GPU step (eager probe, no slack) over the measured step-wise peak of `{args.source.name}` "
             f"({run['machine'].get('gpu')}, {run['date'][:10]}): "
             + ", ".join(f"{r['name']} {r['predicted_tensors'] / 2**30:.2f}/{r['measured_peak'] / 2**30:.2f} GiB "
-                        f"x{r['predicted_over_measured']}" for r in rows) + f"; checked with x{fit_check.GPU_SLACK}")
+                        f"x{r['predicted_over_measured']}" for r in rows) + f"; checked with x{fit_check_gpu.GPU_SLACK}")
     name = f"gpu_fit_check_{args.source.stem.removeprefix('real_size_speed_')}"
     write_result(name, {"source": str(args.source.relative_to(ROOT)), "gpu": run["machine"].get("gpu"),
-                        "slack": fit_check.GPU_SLACK, "rows": rows}, line)
+                        "slack": fit_check_gpu.GPU_SLACK, "rows": rows}, line)
 
 
 if __name__ == "__main__":

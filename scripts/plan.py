@@ -48,7 +48,7 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
     """Every lever set of :func:`lit_speed.run.fit_check.lever_sets` with its predicted peak RSS (no weights read).
 
     A run that trains on one GPU (``trainer=gpu``) gets the GPU's column too: its step's predicted GPU memory
-    (:func:`~lit_speed.run.fit_check.gpu_step_bytes`) against ``budget`` (``--budget-mib``) or the device's free
+    (:func:`~lit_speed.run.fit_check_gpu.gpu_step_bytes`) against ``budget`` (``--budget-mib``) or the device's free
     memory; its peak RSS is then the host side of a GPU run (loading, and the end of fit), not a CPU step's."""
     import psutil
     import torch
@@ -56,12 +56,12 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
     from rich.table import Table
 
     from lit_speed.memory.rss_estimate import gib
-    from lit_speed.run import fit_check
+    from lit_speed.run import fit_check, fit_check_gpu
 
     process = psutil.Process().memory_info().rss
     configured = fit_check.configured_levers(cfg)
-    device = fit_check.gpu_to_judge(cfg)
-    gpu = fit_check.trains_on_gpu(cfg)
+    device = fit_check_gpu.gpu_to_judge(cfg)
+    gpu = fit_check_gpu.trains_on_gpu(cfg)
     ram = process + psutil.virtual_memory().available
     if gpu:
         gpu_budget = budget if budget is not None else (
@@ -92,9 +92,9 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
         extra: dict = {}
         if gpu:  # the host holds the load and the end of fit; the step lives on the GPU
             facts = cache[("facts", levers.lora)]
-            load, end = fit_check.gpu_run_host_bytes(cfg, facts, levers)
+            load, end = fit_check_gpu.gpu_run_host_bytes(cfg, facts, levers)
             peak = process + max(load, end)
-            extra = {"gpu_step": fit_check.gpu_step_bytes(estimate), "host_end": end}  # the table shows the first
+            extra = {"gpu_step": fit_check_gpu.gpu_step_bytes(estimate), "host_end": end}  # the table shows the first
             fits = peak <= budget and (gpu_budget is None or extra["gpu_step"] <= gpu_budget)
         else:
             peak = estimate.peak

@@ -3,7 +3,7 @@
 :func:`estimate_run` predicts the process's peak RSS for ``model=hf_causal_lm`` runs
 (:mod:`lit_speed.memory.rss_estimate`: the process as it is, exact parameter counts from the architecture built on
 the meta device with the run's adapters, the optimizer's declared state, and a scaled probe of one step of the same
-architecture at 1-2 layers prepared with the run's levers). :func:`check_fits_memory` refuses a run that will not
+architecture at 1-2 layers prepared with the run's levers). :func:`lit_speed.run.fit_gate.check_fits_memory` refuses a run that will not
 fit, naming the cheapest set of levers that would (:data:`LEVERS`, in order of what they cost in speed), and
 ``scripts/plan.py`` prints the same estimate for every lever set.
 """
@@ -15,7 +15,6 @@ import functools
 import glob
 import json
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +23,6 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
-from lit_speed.run.config_error import ConfigError
 from lit_speed.run.fit_levers import (  # noqa: F401 - re-exported: the fit check's callers import them here
     LEVERS,
     Levers,
@@ -169,7 +167,7 @@ def generous_bound(facts: RunFacts, process: int) -> int:
     return int(process + 1.5 * max(state + activations, params * 4 + facts.file_bytes))
 
 
-def _state_bytes(facts: RunFacts, levers: Levers, trainable: list[nn.Parameter]) -> float:
+def optimizer_bytes_per_param(facts: RunFacts, levers: Levers, trainable: list[nn.Parameter]) -> float:
     from lit_speed import state_bytes_per_param
 
     if levers.low_bit_states:
@@ -220,7 +218,7 @@ def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool 
     if facts.optimizer is not None and not levers.low_bit_states and small_trainable:
         measured = measure_optimizer(small, facts.optimizer)
         step_temp = measured.step_bytes / small_trainable
-    return probe, step_temp, _state_bytes(facts, levers, trainable_params)
+    return probe, step_temp, optimizer_bytes_per_param(facts, levers, trainable_params)
 
 
 def _blank_weights() -> contextlib.AbstractContextManager:
@@ -233,7 +231,7 @@ def _blank_weights() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
-def _export_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> int:
+def export_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> int:
     """Float32 bytes alive at once while the trained model is written after fit (0 without an export): one shard of
     :data:`~lit_speed.finetune.export.EXPORT_SHARD_BYTES` and the tensor being merged, at most the whole model.
     LoRA's merged export unless ``peft.export=false``; full fine-tuning's (``peft=none``: ExportModel, ``auto`` writes
@@ -279,16 +277,16 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
     micro_scale = levers.micro_batch / max(configured.micro_batch, 1)
     tokens = int(facts.tokens * micro_scale)
     return predict_peak_rss(step_extra=_chunk_extra(cfg, facts, levers, tokens) if levers.chunked_loss else 0,
-        process=process, frozen_params=facts.frozen, frozen_bytes=_frozen_bytes(facts, levers),
+        process=process, frozen_params=facts.frozen, frozen_bytes=frozen_bytes(facts, levers),
         trainable_params=facts.trainable, trainable_bytes=4, state_bytes_per_param=state_bytes,
         step_temp_per_param=step_temp, probe=probe, layers=facts.layers, vocab=facts.vocab,
-        tokens=tokens, load_bytes=_read_bytes(facts, levers)
+        tokens=tokens, load_bytes=read_bytes(facts, levers)
         # int8: the base is quantized after it is read, so its int8 copy adds to what loading holds (1B-dims folder,
         # Z3: 2.49 GB of the folder's file pages + 3.0 GB anonymous at the peak, while quantizing)
-        + (facts.frozen if levers.base_int8 else 0), export_bytes=_export_bytes(cfg, facts, levers))
+        + (facts.frozen if levers.base_int8 else 0), export_bytes=export_bytes(cfg, facts, levers))
 
 
-def _frozen_bytes(facts: RunFacts, levers: Levers) -> int:
+def frozen_bytes(facts: RunFacts, levers: Levers) -> int:
     """Bytes per frozen parameter: int8 or bf16 base levers, else the precision's module dtype (bf16-true: 2)."""
     from lit_speed.precision.modes import spec
 
@@ -297,7 +295,7 @@ def _frozen_bytes(facts: RunFacts, levers: Levers) -> int:
     return 2 if levers.base_bf16 or spec(facts.precision).module_dtype is not None else 4
 
 
-def _read_bytes(facts: RunFacts, levers: Levers) -> int:
+def read_bytes(facts: RunFacts, levers: Levers) -> int:
     """What ``from_pretrained`` holds while reading the folder (:func:`~lit_speed.memory.rss_estimate.
     load_peak_bytes`): bf16 where a bf16/int8 base is read from a bf16 file, else float32."""
     from lit_speed.memory.rss_estimate import load_peak_bytes
@@ -323,143 +321,6 @@ def _chunk_extra(cfg: DictConfig, facts: RunFacts, levers: Levers, tokens: int) 
     run = chunked_loss_bytes(tokens, facts.vocab, hidden, run_bytes, compute)
     probe = chunked_loss_bytes(tokens, facts.vocab, hidden, DEFAULT_CHUNK_MIB * 2**20, compute)
     return max(0, run - probe)
-
-
-def trains_on_gpu(cfg: DictConfig) -> bool:
-    """Whether the run's step runs on a GPU (``trainer=gpu``, or ``accelerator: auto`` where CUDA is)."""
-    accelerator = str(OmegaConf.select(cfg, "trainer.accelerator", default="cpu")).lower()
-    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-
-
-def gpu_run_host_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> tuple[int, int]:
-    """What a GPU run holds in the host's RAM beyond the process: ``(load, end)``. ``load``: the weights while
-    ``from_pretrained`` reads them (then they move to the GPU); ``end``: Lightning's ``Strategy.teardown`` moves the
-    module and the optimizer's state back to the CPU before ``on_fit_end`` (measured on an H200, 0.5B full
-    fine-tuning: +6 GB of host RSS in the run's last seconds), and the export writes from there."""
-    weights = facts.frozen * _frozen_bytes(facts, levers) + facts.trainable * 4
-    state = int(facts.trainable * _state_bytes(facts, levers, []))
-    return _read_bytes(facts, levers), weights + state + _export_bytes(cfg, facts, levers)
-
-
-#: The GPU memory a step holds over the tensors the probe counts (weights, optimizer state, the step's own
-#: tensors): the CUDA caching allocator's rounding and the kernels' workspaces (cuBLAS, cuDNN attention). On an
-#: H200 the eager rows' measured ``max_memory_allocated`` was 1.01-1.02x the probe's tensors (0.5B dims, LoRA, full,
-#: full without the chunked loss; ``benchmarks/bench_gpu_fit_check.py``); the allocator's reserved memory was not
-#: measured, so the check keeps 10% for it.
-GPU_SLACK = 1.10
-
-
-def gpu_to_judge(cfg: DictConfig) -> int | None:
-    """The CUDA device index a run's step is judged on, from the config, or None where the GPU side is not judged:
-    more than one process (DDP and ZeRO hold the state per rank differently), or a strategy other than ``auto``."""
-    if not trains_on_gpu(cfg):
-        return None
-    strategy = cfg.get("strategy")
-    name = str(strategy.get("name", "auto")) if isinstance(strategy, DictConfig) else str(strategy or "auto")
-    if target_of(strategy) or name != "auto":
-        return None
-    devices = OmegaConf.select(cfg, "trainer.devices", default=1)
-    nodes = OmegaConf.select(cfg, "trainer.num_nodes", default=1)
-    if isinstance(devices, (list, ListConfig)):
-        return int(devices[0]) if len(devices) == 1 and int(nodes or 1) == 1 else None
-    single = str(devices) == "1" or (str(devices) == "auto" and torch.cuda.device_count() <= 1)
-    return 0 if single and int(nodes or 1) == 1 else None
-
-
-def gpu_step_bytes(estimate: Any) -> int:
-    """The GPU memory of a run's step from the CPU probe's estimate (:func:`estimate_run` with no process): weights,
-    optimizer state and the larger of the step's tensors and the optimizer step's, times :data:`GPU_SLACK`. The
-    probe runs eager under CPU autocast in the run's precision: a compiled step holds less (the H200 rows: LoRA 4.61
-    vs 5.38 GiB of step tensors compiled/eager), so the prediction is the eager step's."""
-    return int((estimate.weights + estimate.optimizer + max(estimate.step, estimate.optimizer_step)) * GPU_SLACK)
-
-
-def _check_fits_gpu(cfg: DictConfig, facts: RunFacts, configured: Levers, device: int,
-                    free_bytes: int | None) -> None:
-    """Refuse a single-GPU run whose step will not fit in the device's free memory, naming the cheapest lever set
-    that fits there (the same search as the RAM check's)."""
-    from lit_speed.memory.rss_estimate import gib
-
-    free = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
-    if generous_bound(facts, 0) <= free:
-        return  # fits even counted generously: no probe
-    cache: dict = {}
-    try:
-        estimate = estimate_run(cfg, configured, 0, facts, cache=cache)
-    except Exception as error:  # noqa: BLE001 - a probe that cannot run must not stop a run it cannot judge
-        warnings.warn(f"lit_speed.run.fit_check: the GPU memory estimate could not run ({type(error).__name__}: "
-                      f"{error}); the run goes on unchecked", stacklevel=3)
-        return
-    need = gpu_step_bytes(estimate)
-    if need <= free:
-        return
-    what = (f"this run's step needs about {gib(need)} of GPU memory (weights {gib(estimate.weights)}, optimizer "
-            f"{gib(estimate.optimizer)}, step {gib(max(estimate.step, estimate.optimizer_step))}; predicted eager, "
-            f"x{GPU_SLACK:.2f} for the allocator), cuda:{device} has {gib(free)} free")
-    callbacks = list(callback_nodes(cfg))
-    for levers in lever_sets(configured, not configured.lora)[1:]:
-        other = gpu_step_bytes(estimate_run(cfg, levers, 0, cache=cache))
-        if other <= free:
-            raise ConfigError(f"{what}. Fix: {' '.join(levers.overrides(configured, callbacks))} (predicted "
-                              f"{gib(other)}); scripts/plan.py shows the parts")
-    raise ConfigError(f"{what}, and no lever set fits (chunked loss, a bf16 base, 8-bit states, checkpointing, LoRA, "
-                      "micro-batch 1). Fix: a smaller model, data.block_size, a GPU with more memory, or "
-                      "strategy=zero3_offload")
-
-
-def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None, gpu_free_bytes: int | None = None) -> None:
-    """Refuse, before the weights are read, a Hugging Face run whose predicted peak RSS exceeds the memory this
-    machine has free, naming the cheapest lever set (:func:`lever_sets`) that fits. A run on a GPU is judged by what
-    it holds in the host's RAM (:func:`gpu_run_host_bytes`), not by the CPU step's estimate, and, on one GPU, by its
-    step's GPU memory against the device's free memory (:func:`gpu_step_bytes`; ``gpu_free_bytes`` stands in for
-    ``torch.cuda.mem_get_info`` in tests)."""
-    import psutil
-
-    from lit_speed.memory.rss_estimate import gib
-
-    if hf_folder(cfg) is None:
-        return
-    process = psutil.Process().memory_info().rss
-    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
-    budget = process + available
-    configured = configured_levers(cfg)
-    facts = run_facts(cfg, hf_folder(cfg), configured)  # the meta-device model and the optimizer, built once
-    if trains_on_gpu(cfg):
-        load, end = gpu_run_host_bytes(cfg, facts, configured)
-        peak = process + max(load, end)
-        if peak <= budget:
-            device = gpu_to_judge(cfg)  # judged where the device's free memory can be read (or is given)
-            if device is not None and (gpu_free_bytes is not None or torch.cuda.is_available()):
-                _check_fits_gpu(cfg, facts, configured, device, gpu_free_bytes)
-            return
-        raise ConfigError(f"this run trains on the GPU and needs about {gib(peak)} of host RAM at its peak (loading "
-                          f"the weights {gib(load)}; at the end of fit Lightning's teardown moves the weights and the "
-                          f"optimizer state to the CPU, and the export writes from there: {gib(end)}), {gib(budget)} "
-                          "is there. Fix: peft=lora (the adapters' optimizer state only), optimizer=adamw8bit, or a "
-                          "machine with more RAM")
-    if generous_bound(facts, process) <= budget:
-        return  # fits even counted generously: no probe
-    try:
-        cache: dict = {}
-        estimate = estimate_run(cfg, configured, process, facts, cache=cache)
-    except Exception as error:  # noqa: BLE001 - a probe that cannot run must not stop a run it cannot judge
-        warnings.warn(f"lit_speed.run.fit_check: the memory estimate could not run ({type(error).__name__}: "
-                      f"{error}); the run goes on unchecked. scripts/plan.py shows the estimate's parts", stacklevel=2)
-        return
-    if estimate.peak <= budget:
-        return
-    callbacks = list(callback_nodes(cfg))
-    for levers in lever_sets(configured, not configured.lora)[1:]:
-        other = estimate_run(cfg, levers, process, cache=cache)
-        if other.peak <= budget:
-            fix = " ".join(levers.overrides(configured, callbacks))
-            raise ConfigError(f"this run needs about {gib(estimate.peak)} of RAM at its peak (lit_speed.memory."
-                              f"rss_estimate: weights {gib(estimate.weights)}, optimizer {gib(estimate.optimizer)}, "
-                              f"step {gib(max(estimate.step, estimate.optimizer_step))}), {gib(budget)} is there. "
-                              f"Fix: {fix} (predicted {gib(other.peak)}); scripts/plan.py shows every option")
-    raise ConfigError(f"this run needs about {gib(estimate.peak)} of RAM at its peak, {gib(budget)} is there, and no "
-                      "lever set fits (chunked loss, a bf16 base, 8-bit states, checkpointing, LoRA, micro-batch 1). "
-                      "Fix: a smaller model, data.block_size, or a machine with more memory")
 
 
 def describe(estimate: Any) -> str:

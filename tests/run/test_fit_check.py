@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from lit_speed.memory.rss_estimate import RSSEstimate  # noqa: E402
-from lit_speed.run import fit_check  # noqa: E402
+from lit_speed.run import fit_check, fit_check_gpu, fit_gate  # noqa: E402
 from lit_speed.run.config_error import ConfigError  # noqa: E402
 from lit_speed.run.runner import train  # noqa: E402
 from tests.helpers.repo import ROOT  # noqa: E402
@@ -89,7 +89,7 @@ def test_a_run_nothing_makes_fit_names_the_remaining_fixes(make_cfg, folder, tex
         process=gib, weights=40 * gib, optimizer=0, step=0, optimizer_step=0, load=0, slack=1.0))
     monkeypatch.setattr(fit_check, "generous_bound", lambda facts, process: 10**15)
     with pytest.raises(ConfigError, match=r"no lever set fits .* Fix: a smaller model, data.block_size"):
-        fit_check.check_fits_memory(make_cfg(_args(folder, texts, "peft=none")), available_bytes=8 * gib)
+        fit_gate.check_fits_memory(make_cfg(_args(folder, texts, "peft=none")), available_bytes=8 * gib)
 
 
 def test_a_probe_that_cannot_run_warns_and_lets_the_run_go_on(make_cfg, folder, texts, monkeypatch):
@@ -99,7 +99,7 @@ def test_a_probe_that_cannot_run_warns_and_lets_the_run_go_on(make_cfg, folder, 
     monkeypatch.setattr(fit_check, "estimate_run", broken)
     monkeypatch.setattr(fit_check, "generous_bound", lambda facts, process: 10**15)
     with pytest.warns(UserWarning, match="the memory estimate could not run .*stand-in probe failure"):
-        fit_check.check_fits_memory(make_cfg(_args(folder, texts, "peft=none")), available_bytes=1)
+        fit_gate.check_fits_memory(make_cfg(_args(folder, texts, "peft=none")), available_bytes=1)
 
 
 def test_a_gpu_run_is_judged_by_its_host_side_not_by_the_cpu_step(make_cfg, folder, texts, monkeypatch):
@@ -114,18 +114,18 @@ def test_a_gpu_run_is_judged_by_its_host_side_not_by_the_cpu_step(make_cfg, fold
     monkeypatch.setattr(fit_check, "estimate_run", cpu_estimate)
     monkeypatch.setattr(fit_check, "generous_bound", lambda facts, process: 10**15)  # would probe on a CPU run
     gpu = make_cfg(_args(folder, texts, "peft=none", "trainer=gpu"))
-    assert fit_check.trains_on_gpu(gpu) and not fit_check.trains_on_gpu(make_cfg(_args(folder, texts)))
-    fit_check.check_fits_memory(gpu, available_bytes=8 * 2**30)  # the tiny model's host side fits: no refusal
+    assert fit_check_gpu.trains_on_gpu(gpu) and not fit_check_gpu.trains_on_gpu(make_cfg(_args(folder, texts)))
+    fit_gate.check_fits_memory(gpu, available_bytes=8 * 2**30)  # the tiny model's host side fits: no refusal
     model = AutoModelForCausalLM.from_pretrained(folder)
     n = sum({id(p): p.numel() for p in model.parameters()}.values())
     facts = fit_check.run_facts(gpu, folder, fit_check.configured_levers(gpu))
-    load, end = fit_check.gpu_run_host_bytes(gpu, facts, fit_check.configured_levers(gpu))
-    export = fit_check._export_bytes(gpu, facts, fit_check.configured_levers(gpu))
+    load, end = fit_check_gpu.gpu_run_host_bytes(gpu, facts, fit_check.configured_levers(gpu))
+    export = fit_check.export_bytes(gpu, facts, fit_check.configured_levers(gpu))
     assert end == 4 * n + 8 * n + export and load >= 4 * n  # float32 weights and AdamW's two moments, then the export
     with pytest.raises(ConfigError, match=r"this run trains on the GPU and needs about .* of host RAM at its peak "
                                           r"\(loading the weights .*Lightning's teardown moves the weights and the "
                                           r"optimizer state to the CPU.*Fix: peft=lora"):
-        fit_check.check_fits_memory(gpu, available_bytes=1)
+        fit_gate.check_fits_memory(gpu, available_bytes=1)
 
 
 def test_on_one_gpu_the_step_is_judged_against_the_devices_free_memory(make_cfg, folder, texts, monkeypatch):
@@ -134,19 +134,19 @@ def test_on_one_gpu_the_step_is_judged_against_the_devices_free_memory(make_cfg,
     monkeypatch.setattr(fit_check, "generous_bound", lambda facts, process: 10**15)  # always probe
     gpu = make_cfg(_args(folder, texts, "peft=none", "trainer=gpu", "precision=bf16-mixed"))
     estimate = fit_check.estimate_run(gpu, process_bytes=0)
-    need = fit_check.gpu_step_bytes(estimate)
+    need = fit_check_gpu.gpu_step_bytes(estimate)
     assert need == int((estimate.weights + estimate.optimizer + max(estimate.step, estimate.optimizer_step))
-                       * fit_check.GPU_SLACK) and estimate.weights > 0 and estimate.step > 0
-    fit_check.check_fits_memory(gpu, available_bytes=8 * 2**30, gpu_free_bytes=need)  # exactly enough: runs
+                       * fit_check_gpu.GPU_SLACK) and estimate.weights > 0 and estimate.step > 0
+    fit_gate.check_fits_memory(gpu, available_bytes=8 * 2**30, gpu_free_bytes=need)  # exactly enough: runs
     lora = fit_check.estimate_run(gpu, replace(fit_check.configured_levers(gpu), lora=True), process_bytes=0)
-    assert fit_check.gpu_step_bytes(lora) < need
+    assert fit_check_gpu.gpu_step_bytes(lora) < need
     with pytest.raises(ConfigError, match=r"this run's step needs about .* of GPU memory \(weights .*, optimizer "
                                           r".*, step .*\), cuda:0 has .* free\. Fix: .* \(predicted .*\)"):
-        fit_check.check_fits_memory(gpu, available_bytes=8 * 2**30, gpu_free_bytes=need - 1)
+        fit_gate.check_fits_memory(gpu, available_bytes=8 * 2**30, gpu_free_bytes=need - 1)
     with pytest.raises(ConfigError, match=r"GPU memory .* and no lever set fits .* a GPU with more memory"):
-        fit_check.check_fits_memory(gpu, available_bytes=8 * 2**30, gpu_free_bytes=1)
+        fit_gate.check_fits_memory(gpu, available_bytes=8 * 2**30, gpu_free_bytes=1)
     cpu = make_cfg(_args(folder, texts, "peft=none"))
-    fit_check.check_fits_memory(cpu, available_bytes=8 * 2**30, gpu_free_bytes=1)  # a CPU run: no GPU judged
+    fit_gate.check_fits_memory(cpu, available_bytes=8 * 2**30, gpu_free_bytes=1)  # a CPU run: no GPU judged
 
 
 @pytest.mark.parametrize("extra, device", [(["trainer=gpu"], 0), (["trainer=gpu", "trainer.devices=[3]"], 3),
@@ -155,7 +155,7 @@ def test_on_one_gpu_the_step_is_judged_against_the_devices_free_memory(make_cfg,
                                            (["trainer=gpu", "strategy=zero2"], None),
                                            (["trainer=gpu", "strategy=ddp"], None), ([], None)])
 def test_the_gpu_side_is_judged_for_one_process_on_one_gpu_only(make_cfg, folder, texts, extra, device):
-    assert fit_check.gpu_to_judge(make_cfg(_args(folder, texts, *extra))) == device
+    assert fit_check_gpu.gpu_to_judge(make_cfg(_args(folder, texts, *extra))) == device
 
 
 ACCURACY_SCRIPT = r"""
