@@ -26,7 +26,8 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None, gpu_f
     available = psutil.virtual_memory().available if available_bytes is None else available_bytes
     budget = process + available
     configured = fit_check.configured_levers(cfg)
-    facts = fit_check.run_facts(cfg, fit_check.hf_folder(cfg), configured)  # the meta-device model and the optimizer, built once
+    # the meta-device model and the optimizer, built once
+    facts = fit_check.run_facts(cfg, fit_check.hf_folder(cfg), configured)
     if fit_check_gpu.trains_on_gpu(cfg):
         fit_check_gpu.check_gpu_run(cfg, facts, configured, process, budget, gpu_free_bytes)
         return
