@@ -7,7 +7,8 @@
 bench's own callbacks and the run folder's overrides left out), asks ``lit_speed.run.fit_check`` what the step
 needs on the GPU (:func:`~lit_speed.run.fit_check.estimate_run` with no process: the CPU probe in the run's
 precision, eager; the tensors, then x ``GPU_SLACK`` for what the check compares with the device's free memory) and
-writes both beside the measured peak. The measurement is the GPU run's (dated in its JSON); the prediction is made here, on this machine.
+writes both beside the measured peak. The measurement is the GPU run's (dated in its JSON); the prediction is made
+here, on this machine.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
                 arg = f"{key}={source_root('lightning')}"
             overrides.append(arg)
         estimate = fit_check.estimate_run(preflight(overrides), process_bytes=0)
-        tensors = estimate.weights + estimate.optimizer + max(estimate.step, estimate.optimizer_step)
+        tensors = estimate.tensors
         measured = row["cuda_peak_bytes"]
         rows.append({"name": row["name"], "compiled": "compile]" in row["command"], "predicted_tensors": tensors,
                      "checked_against_free": fit_check_gpu.gpu_step_bytes(estimate), "measured_peak": measured,
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     line = (f"predicted GPU step (eager probe, no slack) over the measured step-wise peak of `{args.source.name}` "
             f"({run['machine'].get('gpu')}, {run['date'][:10]}): "
             + ", ".join(f"{r['name']} {r['predicted_tensors'] / 2**30:.2f}/{r['measured_peak'] / 2**30:.2f} GiB "
-                        f"x{r['predicted_over_measured']}" for r in rows) + f"; checked with x{fit_check_gpu.GPU_SLACK}")
+                        f"x{r['predicted_over_measured']}" for r in rows)
+            + f"; checked with x{fit_check_gpu.GPU_SLACK}")
     name = f"gpu_fit_check_{args.source.stem.removeprefix('real_size_speed_')}"
     write_result(name, {"source": str(args.source.relative_to(ROOT)), "gpu": run["machine"].get("gpu"),
                         "slack": fit_check_gpu.GPU_SLACK, "rows": rows}, line)

@@ -24,15 +24,15 @@ def all_finite(tensors: Iterable[Tensor]) -> Tensor:
     NaN and keeps inf, so it is finite iff every element is. Tensors with no elements, and integer ones, are
     finite; a sparse tensor is checked by its stored values."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    devices = []
+    first_device = None
     for t in tensors:
-        devices.append(t.device)
+        first_device = t.device if first_device is None else first_device
         if t.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): its stored values
             t = sparse_values(t)
         if t.numel() and (t.is_floating_point() or t.is_complex()):
             groups.setdefault((t.device, t.dtype), []).append(t.detach())
     if not groups:
-        return torch.ones((), dtype=torch.bool, device=devices[0] if devices else None)
+        return torch.ones((), dtype=torch.bool, device=first_device)
     flags = [torch.isfinite(torch.stack(foreach_max_abs(group))).all() for group in groups.values()]
     if len(flags) == 1:
         return flags[0]

@@ -89,24 +89,22 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
                  if getattr(levers, name) and not getattr(configured, name)]
         if levers.micro_batch != configured.micro_batch:
             added.append(f"mb{levers.micro_batch}")
-        extra: dict = {}
+        gpu_part: dict = {}
         if gpu:  # the host holds the load and the end of fit; the step lives on the GPU
-            facts = cache[("facts", levers.lora)]
-            load, end = fit_check_gpu.gpu_run_host_bytes(cfg, facts, levers)
+            load, end = fit_check_gpu.gpu_run_host_bytes(cfg, cache[("facts", levers.lora)], levers)
             peak = process + max(load, end)
-            extra = {"gpu_step": fit_check_gpu.gpu_step_bytes(estimate), "host_end": end}  # the table shows the first
-            fits = peak <= budget and (gpu_budget is None or extra["gpu_step"] <= gpu_budget)
+            gpu_part = {"gpu_step": fit_check_gpu.gpu_step_bytes(estimate), "host_end": end}
+            fits = peak <= budget and (gpu_budget is None or gpu_part["gpu_step"] <= gpu_budget)
         else:
             peak = estimate.peak
             fits = peak <= budget
         first_fit = first_fit if first_fit is not None or not fits else (i, fix)
-        table.add_row(f"{i}{'*' if i == 0 else ''}", "+".join(added) or "-",
-                      *(f"{b / 2**30:.2f}" for b in (estimate.weights, estimate.optimizer,
-                                                     max(estimate.step, estimate.optimizer_step), estimate.load,
-                                                     estimate.export, peak, *list(extra.values())[:1])),
+        shown = [estimate.weights, estimate.optimizer, max(estimate.step, estimate.optimizer_step), estimate.load,
+                 estimate.export, peak] + ([gpu_part["gpu_step"]] if gpu else [])
+        table.add_row(f"{i}{'*' if i == 0 else ''}", "+".join(added) or "-", *(f"{b / 2**30:.2f}" for b in shown),
                       "yes" if fits else "no")
         commands.append(f"#{i}: {fix}")
-        rows.append({"row": i, "overrides": fix, "fits": fits, **estimate.parts(), "peak": peak, **extra})
+        rows.append({"row": i, "overrides": fix, "fits": fits, **estimate.parts(), "peak": peak, **gpu_part})
     if json_path is not None:
         json_path.write_text(json.dumps({"budget": budget, "gpu_budget": gpu_budget, "rows": rows}, indent=1))
     Console(soft_wrap=True).print(table)

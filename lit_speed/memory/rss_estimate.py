@@ -158,9 +158,14 @@ class RSSEstimate:
     notes: tuple[str, ...] = field(default=())
 
     @property
+    def tensors(self) -> int:
+        """The training step's tensors at their peak: weights, optimizer state, and the step's own or the optimizer
+        step's (no process, no allocator slack; what a GPU holds of the step)."""
+        return self.weights + self.optimizer + max(self.step, self.optimizer_step)
+
+    @property
     def training_peak(self) -> int:
-        tensors = self.weights + self.optimizer + max(self.step, self.optimizer_step)
-        return int(self.process + tensors * self.slack)
+        return int(self.process + self.tensors * self.slack)
 
     @property
     def export_peak(self) -> int:

@@ -3,9 +3,9 @@
 :func:`estimate_run` predicts the process's peak RSS for ``model=hf_causal_lm`` runs
 (:mod:`lit_speed.memory.rss_estimate`: the process as it is, exact parameter counts from the architecture built on
 the meta device with the run's adapters, the optimizer's declared state, and a scaled probe of one step of the same
-architecture at 1-2 layers prepared with the run's levers). :func:`lit_speed.run.fit_gate.check_fits_memory` refuses a run that will not
-fit, naming the cheapest set of levers that would (:data:`LEVERS`, in order of what they cost in speed), and
-``scripts/plan.py`` prints the same estimate for every lever set.
+architecture at 1-2 layers prepared with the run's levers). :func:`lit_speed.run.fit_gate.check_fits_memory`
+refuses a run that will not fit, naming the cheapest set of levers that would (:data:`LEVERS`, in order of what
+they cost in speed), and ``scripts/plan.py`` prints the same estimate for every lever set.
 """
 from __future__ import annotations
 

@@ -1,10 +1,13 @@
 """The refusal before the weights load: :func:`check_fits_memory`, what ``scripts/train.py`` runs for a Hugging Face
 model folder. The predictions are :mod:`lit_speed.run.fit_check`'s (the process's peak RSS of a CPU run) and
-:mod:`lit_speed.run.fit_check_gpu`'s (a GPU run's host side and its step on one GPU)."""
+:mod:`lit_speed.run.fit_check_gpu`'s (a GPU run's host side and its step on one GPU); both are judged the same way:
+no probe where a generous bound fits, the configured levers' estimate, then the cheapest lever set that fits."""
 from __future__ import annotations
 
 import warnings
+from typing import Any, Callable
 
+import torch
 from omegaconf import DictConfig
 
 from lit_speed.run import fit_check, fit_check_gpu
@@ -13,9 +16,10 @@ from lit_speed.run.config_error import ConfigError
 
 def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None, gpu_free_bytes: int | None = None) -> None:
     """Refuse, before the weights are read, a Hugging Face run whose predicted peak RSS exceeds the memory this
-    machine has free, naming the cheapest lever set (:func:`lever_sets`) that fits. A run on a GPU is judged by what
-    it holds in the host's RAM and, on one GPU, by its step's GPU memory against the device's free memory
-    (:mod:`lit_speed.run.fit_check_gpu`; ``gpu_free_bytes`` stands in for ``torch.cuda.mem_get_info`` in tests)."""
+    machine has free, naming the cheapest lever set (:func:`~lit_speed.run.fit_check.lever_sets`) that fits. A run on
+    a GPU is judged by what it holds in the host's RAM and, on one GPU, by its step's GPU memory against the device's
+    free memory (:mod:`lit_speed.run.fit_check_gpu`; ``gpu_free_bytes`` stands in for ``torch.cuda.mem_get_info`` in
+    tests)."""
     import psutil
 
     from lit_speed.memory.rss_estimate import gib
@@ -29,28 +33,78 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None, gpu_f
     # the meta-device model and the optimizer, built once
     facts = fit_check.run_facts(cfg, fit_check.hf_folder(cfg), configured)
     if fit_check_gpu.trains_on_gpu(cfg):
-        fit_check_gpu.check_gpu_run(cfg, facts, configured, process, budget, gpu_free_bytes)
+        _check_gpu_run(cfg, facts, configured, process, budget, gpu_free_bytes)
         return
-    if fit_check.generous_bound(facts, process) <= budget:
-        return  # fits even counted generously: no probe
-    try:
-        cache: dict = {}
-        estimate = fit_check.estimate_run(cfg, configured, process, facts, cache=cache)
-    except Exception as error:  # noqa: BLE001 - a probe that cannot run must not stop a run it cannot judge
-        warnings.warn(f"lit_speed.run.fit_check: the memory estimate could not run ({type(error).__name__}: "
-                      f"{error}); the run goes on unchecked. scripts/plan.py shows the estimate's parts", stacklevel=2)
+    judged = _judge(cfg, facts, configured, process, budget, lambda estimate: estimate.peak,
+                    "the memory estimate could not run ({}); the run goes on unchecked. scripts/plan.py shows the "
+                    "estimate's parts")
+    if judged is None:
         return
-    if estimate.peak <= budget:
-        return
-    callbacks = list(fit_check.callback_nodes(cfg))
-    for levers in fit_check.lever_sets(configured, not configured.lora)[1:]:
-        other = fit_check.estimate_run(cfg, levers, process, cache=cache)
-        if other.peak <= budget:
-            fix = " ".join(levers.overrides(configured, callbacks))
-            raise ConfigError(f"this run needs about {gib(estimate.peak)} of RAM at its peak (lit_speed.memory."
-                              f"rss_estimate: weights {gib(estimate.weights)}, optimizer {gib(estimate.optimizer)}, "
-                              f"step {gib(max(estimate.step, estimate.optimizer_step))}), {gib(budget)} is there. "
-                              f"Fix: {fix} (predicted {gib(other.peak)}); scripts/plan.py shows every option")
+    estimate, fix = judged
+    if fix is not None:
+        overrides, other = fix
+        raise ConfigError(f"this run needs about {gib(estimate.peak)} of RAM at its peak (lit_speed.memory."
+                          f"rss_estimate: weights {gib(estimate.weights)}, optimizer {gib(estimate.optimizer)}, "
+                          f"step {gib(max(estimate.step, estimate.optimizer_step))}), {gib(budget)} is there. "
+                          f"Fix: {overrides} (predicted {gib(other)}); scripts/plan.py shows every option")
     raise ConfigError(f"this run needs about {gib(estimate.peak)} of RAM at its peak, {gib(budget)} is there, and no "
                       "lever set fits (chunked loss, a bf16 base, 8-bit states, checkpointing, LoRA, micro-batch 1). "
                       "Fix: a smaller model, data.block_size, or a machine with more memory")
+
+
+def _judge(cfg: DictConfig, facts: fit_check.RunFacts, configured: fit_check.Levers, process: int, budget: int,
+           need: Callable[[Any], int], unchecked: str) -> tuple[Any, tuple[str, int] | None] | None:
+    """None when the run fits (by the generous bound without a probe, or by the configured levers' estimate) or its
+    probe cannot run (a warning: ``unchecked`` with the error); else the configured estimate and the cheapest lever
+    set whose ``need`` fits in ``budget`` (``(overrides, its need)``, or None when none does)."""
+    if fit_check.generous_bound(facts, process) <= budget:
+        return None  # fits even counted generously: no probe
+    cache: dict = {}
+    try:
+        estimate = fit_check.estimate_run(cfg, configured, process, facts, cache=cache)
+    except Exception as error:  # noqa: BLE001 - a probe that cannot run must not stop a run it cannot judge
+        warnings.warn("lit_speed.run.fit_check: " + unchecked.format(f"{type(error).__name__}: {error}"),
+                      stacklevel=3)
+        return None
+    if need(estimate) <= budget:
+        return None
+    callbacks = list(fit_check.callback_nodes(cfg))
+    for levers in fit_check.lever_sets(configured, not configured.lora)[1:]:
+        other = need(fit_check.estimate_run(cfg, levers, process, cache=cache))
+        if other <= budget:
+            return estimate, (" ".join(levers.overrides(configured, callbacks)), other)
+    return estimate, None
+
+
+def _check_gpu_run(cfg: DictConfig, facts: fit_check.RunFacts, configured: fit_check.Levers, process: int,
+                   budget: int, gpu_free_bytes: int | None) -> None:
+    """A run that trains on a GPU: the host side against ``budget`` (the process's RSS + the RAM available), then,
+    for one process on one GPU, the step against the device's free memory."""
+    from lit_speed.memory.rss_estimate import gib
+
+    load, end = fit_check_gpu.gpu_run_host_bytes(cfg, facts, configured)
+    peak = process + max(load, end)
+    if peak > budget:
+        raise ConfigError(f"this run trains on the GPU and needs about {gib(peak)} of host RAM at its peak (loading "
+                          f"the weights {gib(load)}; at the end of fit Lightning's teardown moves the weights and the "
+                          f"optimizer state to the CPU, and the export writes from there: {gib(end)}), {gib(budget)} "
+                          "is there. Fix: peft=lora (the adapters' optimizer state only), optimizer=adamw8bit, or a "
+                          "machine with more RAM")
+    device = fit_check_gpu.gpu_to_judge(cfg)  # judged where the device's free memory can be read (or is given)
+    if device is None or (gpu_free_bytes is None and not torch.cuda.is_available()):
+        return
+    free = torch.cuda.mem_get_info(device)[0] if gpu_free_bytes is None else gpu_free_bytes
+    judged = _judge(cfg, facts, configured, 0, free, fit_check_gpu.gpu_step_bytes,
+                    "the GPU memory estimate could not run ({}); the run goes on unchecked")
+    if judged is None:
+        return
+    estimate, fix = judged
+    what = (f"this run's step needs about {gib(fit_check_gpu.gpu_step_bytes(estimate))} of GPU memory (weights "
+            f"{gib(estimate.weights)}, optimizer {gib(estimate.optimizer)}, step "
+            f"{gib(max(estimate.step, estimate.optimizer_step))}; predicted eager, x{fit_check_gpu.GPU_SLACK:.2f} "
+            f"for the allocator), cuda:{device} has {gib(free)} free")
+    if fix is not None:
+        raise ConfigError(f"{what}. Fix: {fix[0]} (predicted {gib(fix[1])}); scripts/plan.py shows the parts")
+    raise ConfigError(f"{what}, and no lever set fits (chunked loss, a bf16 base, 8-bit states, checkpointing, LoRA, "
+                      "micro-batch 1). Fix: a smaller model, data.block_size, a GPU with more memory, or "
+                      "strategy=zero3_offload")

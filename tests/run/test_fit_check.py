@@ -195,8 +195,7 @@ from lit_speed.run.runner import train
 cfg = preflight(sys.argv[1:])
 estimate = fit_check.estimate_run(cfg, process_bytes=0)
 train(cfg)
-print("RESULT " + json.dumps({"predicted": estimate.weights + estimate.optimizer + max(estimate.step,
-                              estimate.optimizer_step), "parts": estimate.parts(),
+print("RESULT " + json.dumps({"predicted": estimate.tensors, "parts": estimate.parts(),
                               "measured": torch.cuda.max_memory_allocated()}))
 """
 
