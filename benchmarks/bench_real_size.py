@@ -65,9 +65,20 @@ def lit_command(model: str, mode: str, steps: int, block: int, micro: int, r: in
     if mode == "lora":
         base += ["peft=lora", f"peft.target_modules={LORA_TARGETS}", f"peft.r={r}", f"peft.alpha={2 * r}",
                  f"peft.export_dir={out}/merged"]
+    own_precision = any(e.startswith("precision=") for e in extra)
     if device == "cuda":  # what a user types for one GPU; the Trainer's row runs bf16=True
-        base += ["trainer=gpu", "precision=bf16-mixed"]
+        base += ["trainer=gpu"] + ([] if own_precision else ["precision=bf16-mixed"])
+    elif not own_precision and cpu_bf16():  # the peers' speed rows run bf16 autocast on such a CPU: the same flag
+        base += ["precision=bf16-mixed"]
     return [sys.executable, str(ROOT / "scripts" / "train.py"), *base, *extra]
+
+
+def cpu_bf16() -> bool:
+    """This CPU has native bf16 kernels (AVX512-BF16/AMX): the peers' speed rows then train in bf16 autocast
+    (``real_size_peers.native_bf16``), and lit_speed's rows get ``precision=bf16-mixed`` unless a row names its own."""
+    from real_size_peers import native_bf16
+
+    return native_bf16("cpu")
 
 
 def peer_command(tool: str, model: str, mode: str, flags: str, steps: int, block: int, micro: int, r: int, lr: float,
@@ -119,10 +130,17 @@ SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
         # the Trainer rows' job: train and export, no validation (lit_speed's final validation is work they skip)
         "lora05/lit_speed_noval": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA_NOVAL),
         "lora05/lit_speed_eager_noval": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA_EAGER_NOVAL),
+        # the frozen base held in bf16 (peft.base_dtype=bf16): under bf16 autocast each matmul is the same bf16(W) @ x
+        # as the Trainer's, without casting the float32 weight at every forward and backward (a CPU with bf16 kernels)
+        "lora05/lit_speed_bf16base_noval": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit",
+                                            [*LIT_LORA_NOVAL, "peft.base_dtype=bf16"]),
         "full05/trainer": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "speed"),
         "full05/lit_speed": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL),
         "full05/lit_speed_noval": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL_NOVAL),
         "full05/lit_speed_eager_noval": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL_EAGER_NOVAL),
+        # a bf16 module with float32 master weights (no per-op casts; the optimizer steps the float32 masters)
+        "full05/lit_speed_master_noval": ("full05", "qwen2.5-0.5b", "full", 0, "lit",
+                                          [*LIT_FULL_NOVAL, "precision=bf16-master"]),
     },
     "memory": {
         "lora1b/trainer": ("lora1b", "llama-3.2-1b", "lora", 16, "trainer", "memory"),
