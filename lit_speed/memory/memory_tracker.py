@@ -84,9 +84,17 @@ _MATMULS_INTO = {_aten.mm.out: "out", _aten.bmm.out: "out", _aten.addmm.out: "ou
                  _aten.baddbmm_.default: 0}
 
 
+#: A floating-point cast of at least this many elements is skipped too (:class:`SkipMatmuls`): only weights are that
+#: large in a probe (a 0.5B model's LM head is 136M), and their values only feed products.
+SKIPPED_CAST_ELEMENTS = 1 << 20
+
+
 class SkipMatmuls(TorchDispatchMode):
     """Matrix products return zeros of their result's shape and dtype instead of computing it: the same tensors are
     allocated (a product always makes a new one, or writes into the one it is given), none of the FLOPs are spent.
+    Large floating-point casts (``.to(bf16)`` of a weight, at least :data:`SKIPPED_CAST_ELEMENTS`) also return zeros of
+    their result's shape and dtype: under autocast or a chunked loss the probe re-casts the LM head at the real
+    vocabulary slice by slice, which was most of its remaining time at 0.5B dims; the values feed only products.
 
     For measurements of bytes whose values do not matter (:func:`lit_speed.memory.rss_estimate.probe_scaled`): at
     Qwen2.5-0.5B dims the probe's steps were mostly the LM head's products at the real vocabulary. Entered *inside* a
@@ -100,11 +108,22 @@ class SkipMatmuls(TorchDispatchMode):
         into = _MATMULS_INTO.get(func)
         if into is not None:  # written into a given tensor (out=, in place): nothing new, nothing to compute
             return kwargs[into] if isinstance(into, str) else args[into]
+        if func is _aten._to_copy.default and _large_float_cast(args[0], kwargs):
+            x = args[0]
+            return torch.zeros(x.shape, dtype=kwargs["dtype"], device=kwargs.get("device") or x.device)
         first = _MATMULS.get(func)
         if first is None:
             return func(*args, **kwargs)
         a, b = args[first], args[first + 1]
         return torch.zeros((*a.shape[:-1], b.shape[-1]), dtype=a.dtype, device=a.device)
+
+
+def _large_float_cast(x: Any, kwargs: dict) -> bool:
+    """A cast from one floating dtype to another (not a copy to another device or layout) of a large tensor."""
+    dtype = kwargs.get("dtype")
+    return (isinstance(x, torch.Tensor) and dtype is not None and dtype.is_floating_point and x.is_floating_point()
+            and dtype != x.dtype and x.numel() >= SKIPPED_CAST_ELEMENTS and kwargs.get("layout") in (None, x.layout)
+            and kwargs.get("device") in (None, x.device) and kwargs.get("memory_format") is None)
 
 
 def _has_storage(t: Any) -> bool:

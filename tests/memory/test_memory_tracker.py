@@ -60,3 +60,28 @@ def test_skip_matmuls_allocates_what_the_products_allocate_and_computes_none():
         assert g.shape == e.shape and g.dtype == e.dtype and g.stride() == e.stride()
     assert all(g.abs().sum() == 0 for g in got[:4]) and got[5].eq(1).all()  # nothing was computed (ones @ ones != 0)
     assert expected[0].eq(5).all()
+
+
+def test_skip_matmuls_skips_large_floating_casts_only_and_counts_their_bytes():
+    """A weight's ``.to(bf16)`` in a probe (the LM head at the real vocabulary, re-cast per chunk) returns zeros of the
+    cast's shape and dtype; the bytes counted are the real cast's. Small casts, integer ones and copies to another
+    dtype kind are computed: their values may steer what follows (indices, masks)."""
+    from lit_speed.memory.memory_tracker import SKIPPED_CAST_ELEMENTS, SkipMatmuls
+
+    big = torch.ones(SKIPPED_CAST_ELEMENTS // 32, 64)  # twice the threshold: its half (a slice) is skipped too
+    small, ids = torch.ones(4, 4), torch.arange(6)
+
+    def casts():
+        return [big.to(torch.bfloat16), big[: big.shape[0] // 2].to(torch.float16), small.to(torch.bfloat16),
+                ids.to(torch.float32), big.to(torch.int32)[:1], big.to(torch.float32)]
+
+    with LiveTensorTracker() as real:
+        expected = casts()
+    with LiveTensorTracker() as skipped, SkipMatmuls():
+        got = casts()
+    assert skipped.peak_bytes == real.peak_bytes > big.numel() * 2
+    for e, g in zip(expected, got):
+        assert g.shape == e.shape and g.dtype == e.dtype
+    assert got[0].eq(0).all() and got[1].eq(0).all()  # skipped: zeros, not the ones cast
+    assert got[2].eq(1).all() and got[3].equal(ids.float()) and got[4].eq(1).all()  # computed
+    assert got[5] is big  # a cast to its own dtype is no copy: nothing to skip
