@@ -134,6 +134,8 @@ SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
         # as the Trainer's, without casting the float32 weight at every forward and backward (a CPU with bf16 kernels)
         "lora05/lit_speed_bf16base_noval": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit",
                                             [*LIT_LORA_NOVAL, "peft.base_dtype=bf16"]),
+        "lora05/lit_speed_eager_bf16base_noval": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit",
+                                                  [*LIT_LORA_EAGER_NOVAL, "peft.base_dtype=bf16"]),
         "full05/trainer": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "speed"),
         "full05/lit_speed": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL),
         "full05/lit_speed_noval": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL_NOVAL),
