@@ -143,6 +143,8 @@ SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
         # a bf16 module with float32 master weights (no per-op casts; the optimizer steps the float32 masters)
         "full05/lit_speed_master_noval": ("full05", "qwen2.5-0.5b", "full", 0, "lit",
                                           [*LIT_FULL_NOVAL, "precision=bf16-master"]),
+        "full05/lit_speed_eager_master_noval": ("full05", "qwen2.5-0.5b", "full", 0, "lit",
+                                                [*LIT_FULL_EAGER_NOVAL, "precision=bf16-master"]),
     },
     "memory": {
         "lora1b/trainer": ("lora1b", "llama-3.2-1b", "lora", 16, "trainer", "memory"),
