@@ -14,8 +14,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["TorchDispatchMode", "cpu_has_native_bf16", "foreach_copy_", "foreach_max_abs", "foreach_mul_",
+__all__ = ["CAST_OP", "TorchDispatchMode", "cpu_has_native_bf16", "foreach_copy_", "foreach_max_abs", "foreach_mul_",
            "is_compiled", "is_compiled_wrapper", "sparse_values", "tree_leaves", "tree_map", "uncompile"]
+
+
+#: The aten op ``Tensor.to(dtype)`` dispatches to when it copies (``aten._to_copy``; a dispatch mode sees it, not ``to``).
+CAST_OP = torch.ops.aten._to_copy.default
 
 
 def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: float) -> None:

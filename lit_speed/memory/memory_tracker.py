@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lit_speed.compat.torch import TorchDispatchMode, tree_leaves
+from lit_speed.compat.torch import CAST_OP, TorchDispatchMode, tree_leaves
 
 
 def tensor_bytes(tensors: Any) -> int:
@@ -108,7 +108,7 @@ class SkipMatmuls(TorchDispatchMode):
         into = _MATMULS_INTO.get(func)
         if into is not None:  # written into a given tensor (out=, in place): nothing new, nothing to compute
             return kwargs[into] if isinstance(into, str) else args[into]
-        if func is _aten._to_copy.default and _large_float_cast(args[0], kwargs):
+        if func is CAST_OP and _large_float_cast(args[0], kwargs):
             x = args[0]
             return torch.zeros(x.shape, dtype=kwargs["dtype"], device=kwargs.get("device") or x.device)
         first = _MATMULS.get(func)

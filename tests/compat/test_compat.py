@@ -377,6 +377,20 @@ def test_foreach_max_abs_propagates_nan_and_inf_and_sparse_values_are_the_stored
     assert torch_compat.sparse_values(torch.eye(2).to_sparse_csr()).tolist() == [1.0, 1.0]
 
 
+def test_a_dtype_cast_reaches_a_dispatch_mode_as_the_cast_op() -> None:
+    # CAST_OP: torch.ops.aten._to_copy.default, what SkipMatmuls recognises a weight's .to(bf16) by
+    seen = []
+
+    class Record(torch_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.ones(2).to(torch.bfloat16)
+    assert torch_compat.CAST_OP in seen
+
+
 def test_mkldnn_bf16_check_is_still_an_op() -> None:
     # cpu_has_native_bf16(): torch.ops.mkldnn._is_mkldnn_bf16_supported (a build without mkldnn answers False)
     if torch.backends.mkldnn.is_available():
