@@ -73,7 +73,7 @@ def test_skip_matmuls_skips_large_floating_casts_only_and_counts_their_bytes():
 
     def casts():
         return [big.to(torch.bfloat16), big[: big.shape[0] // 2].to(torch.float16), small.to(torch.bfloat16),
-                ids.to(torch.float32), big.to(torch.int32)[:1], big.to(torch.float32)]
+                ids.to(torch.float32), big.to(torch.int32)[:1], big.to(torch.float32), big.t().to(torch.bfloat16)]
 
     with LiveTensorTracker() as real:
         expected = casts()
@@ -81,7 +81,7 @@ def test_skip_matmuls_skips_large_floating_casts_only_and_counts_their_bytes():
         got = casts()
     assert skipped.peak_bytes == real.peak_bytes > big.numel() * 2
     for e, g in zip(expected, got):
-        assert g.shape == e.shape and g.dtype == e.dtype
-    assert got[0].eq(0).all() and got[1].eq(0).all()  # skipped: zeros, not the ones cast
+        assert g.shape == e.shape and g.dtype == e.dtype and g.stride() == e.stride()  # a transposed weight's too
+    assert got[0].eq(0).all() and got[1].eq(0).all() and got[6].eq(0).all()  # skipped: zeros, not the ones cast
     assert got[2].eq(1).all() and got[3].equal(ids.float()) and got[4].eq(1).all()  # computed
     assert got[5] is big  # a cast to its own dtype is no copy: nothing to skip
