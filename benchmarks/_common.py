@@ -55,7 +55,9 @@ def machine() -> dict[str, Any]:
 
         info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
         info["torch_threads"] = torch.get_num_threads()
-        info["mkldnn_bf16"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        from lit_speed.compat.torch import cpu_has_native_bf16
+
+        info["mkldnn_bf16"] = cpu_has_native_bf16()
     except Exception as error:  # noqa: BLE001 - a machine description must never stop a benchmark
         info["torch_error"] = repr(error)
     return info

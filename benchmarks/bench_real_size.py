@@ -56,6 +56,8 @@ def lightning_source() -> str:
 def lit_command(model: str, mode: str, steps: int, block: int, micro: int, r: int, lr: float, extra: list[str],
                 out: Path, device: str = "cpu") -> list[str]:
     """``scripts/train.py`` for a row: the same model, data, batches, optimizer and constant LR as the peers."""
+    from lit_speed.compat.torch import cpu_has_native_bf16
+
     base = ["model=hf_causal_lm", "data=text_folder", f"model.pretrained={build(model)}",
             f"data.root={lightning_source()}", f"data.block_size={block}", f"data.batch_size={micro}",
             f"trainer.max_steps={steps}", "optimizer.lr=" + str(lr), "model.scheduler=null", "logger=none",
@@ -68,17 +70,11 @@ def lit_command(model: str, mode: str, steps: int, block: int, micro: int, r: in
     own_precision = any(e.startswith("precision=") for e in extra)
     if device == "cuda":  # what a user types for one GPU; the Trainer's row runs bf16=True
         base += ["trainer=gpu"] + ([] if own_precision else ["precision=bf16-mixed"])
-    elif not own_precision and cpu_bf16():  # the peers' speed rows run bf16 autocast on such a CPU: the same flag
+    elif not own_precision and cpu_has_native_bf16():
+        # a CPU with bf16 kernels (AVX512-BF16/AMX): the peers' speed rows run bf16 autocast there, so the same flag
         base += ["precision=bf16-mixed"]
     return [sys.executable, str(ROOT / "scripts" / "train.py"), *base, *extra]
 
-
-def cpu_bf16() -> bool:
-    """This CPU has native bf16 kernels (AVX512-BF16/AMX): the peers' speed rows then train in bf16 autocast
-    (``real_size_peers.native_bf16``), and lit_speed's rows get ``precision=bf16-mixed`` unless a row names its own."""
-    from real_size_peers import native_bf16
-
-    return native_bf16("cpu")
 
 
 def peer_command(tool: str, model: str, mode: str, flags: str, steps: int, block: int, micro: int, r: int, lr: float,

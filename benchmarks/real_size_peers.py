@@ -57,9 +57,9 @@ def since_launch() -> float:
 def native_bf16(device: str = "cpu") -> bool:
     import torch
 
-    if device == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    from lit_speed.compat.torch import cpu_has_native_bf16
+
+    return torch.cuda.is_bf16_supported() if device == "cuda" else cpu_has_native_bf16()
 
 
 def step_done(device: str) -> float:

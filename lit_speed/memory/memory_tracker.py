@@ -84,8 +84,8 @@ _MATMULS_INTO = {_aten.mm.out: "out", _aten.bmm.out: "out", _aten.addmm.out: "ou
                  _aten.baddbmm_.default: 0}
 
 
-#: A floating-point cast of at least this many elements is skipped too (:class:`SkipMatmuls`): only weights are that
-#: large in a probe (a 0.5B model's LM head is 136M), and their values only feed products.
+#: A floating-point cast of at least this many elements is skipped too (:class:`SkipMatmuls`): in a probe only weights
+#: (a 0.5B model's LM head is 136M) and the logits' gradient are that large, and their values feed only products.
 SKIPPED_CAST_ELEMENTS = 1 << 20
 
 
