@@ -52,14 +52,23 @@ def test_killed_hf_lora_run_resumes_bitwise_from_its_adapters_only_checkpoint(tm
         (texts / f"{name}.txt").write_text((STDLIB / name).read_text())
     args = ["model=hf_causal_lm", "data=text_folder", f"model.pretrained={folder}", f"data.root={texts}",
             "data.block_size=32", "data.batch_size=4", "data.val_every=3", *GPT[6:], "peft.target_modules=[c_attn]"]
-    with ThreadPoolExecutor(2) as pool:
-        stopped, reference = pool.map(lambda job: train(*job), [(args + kill_at(7), tmp_path / "run"),
-                                                               (args, tmp_path / "reference")])
+    # the stopped run first: up_grad=auto's timing lands in the run's cache and the uninterrupted run reuses it.
+    # Run side by side on an empty cache, each timed its own choice on a busy machine: CI (stop 45) saw one choose
+    # standard and the other transposed, 1e-10..1e-7 apart (the same sums in another order), not a resume fault.
+    stopped = train(args + kill_at(7), tmp_path / "run")
     assert stopped.returncode == -9, explain(stopped)
+    with ThreadPoolExecutor(2) as pool:
+        resumed, reference = pool.map(lambda job: train(*job), [(args + ["ckpt_path=last"], tmp_path / "run"),
+                                                               (args, tmp_path / "reference")])
     assert reference.returncode == 0, explain(reference)
-    resumed = train(args + ["ckpt_path=last"], tmp_path / "run")
     assert resumed.returncode == 0, explain(resumed)
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr, explain(resumed)
+    chosen = [re.search(r"weight gradient (standard|transposed) \((.*)\)", run.stdout + run.stderr)
+              for run in (stopped, resumed, reference)]
+    assert all(chosen), [explain(run) for run in (stopped, resumed, reference)]
+    assert len({m.group(1) for m in chosen}) == 1, [m.group(0) for m in chosen]
+    assert chosen[1].group(2).startswith("restored from the checkpoint"), chosen[1].group(0)
+    assert "(cached " in chosen[2].group(2), chosen[2].group(0)  # the uninterrupted run reused the stopped run's timing
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert all("lora_" in k for k in torch.load(last, weights_only=True)["state_dict"])
     diffs = max_abs_differences(tmp_path / "reference" / "checkpoints" / "last.ckpt", last)
