@@ -5,7 +5,8 @@ the same size as the charlm preset's: 4 layers, 4 heads, 128 wide, block 64). :f
 Lightning recipe (AdamW 1e-3 constant, fp32); :func:`lit_speed_parts` adds the levers of ``experiment=charlm_fast``
 the way a user copies them into their own project, every value read from the preset's YAML:
 
-- ``plugins=[GuardedPrecision("auto")]``: the precision mode timed on this model's first batch;
+- ``plugins=[GuardedPrecision("auto", threads="auto", attention="auto")]``: the precision mode, the thread count
+  and the attention kernel timed on this model's first batch;
 - ``callbacks=[AccumulationScheduler(effective_batch=..., ramp="step", lr_scaling="none")]``: the batch ramp;
 - ``MuonAdamW(self.named_parameters(), ..., ns_dtype="auto", adamw_kernel="auto")`` and ``warmup_stable_decay``
   in ``configure_optimizers``.
@@ -114,7 +115,7 @@ def lit_speed_parts(recipe: dict[str, Any]) -> tuple[Callable[[UserGPT], Any], l
         schedule = warmup_stable_decay(optimizer, total_steps=recipe["max_steps"], **recipe["scheduler"])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
-    plugins = [GuardedPrecision(recipe["precision"])]
+    plugins = [GuardedPrecision(recipe["precision"], threads=recipe["threads"], attention=recipe["attention"])]
     callbacks = [AccumulationScheduler(effective_batch=recipe["effective_batch"], ramp=recipe["ramp"],
                                        lr_scaling=recipe["lr_scaling"])]
     return make_optimizer, plugins, callbacks
@@ -134,7 +135,8 @@ def preset_levers(root: str) -> dict[str, Any]:
     opt["betas"] = tuple(opt["betas"])
     return {"optimizer": opt, "weight_decay": c["model"]["weight_decay"],
             "scheduler": {k: v for k, v in c["model"]["scheduler"].items() if not k.startswith("_")},
-            "precision": c["precision"]["mode"], "batch_size": c["data"]["batch_size"],
+            "precision": c["precision"]["mode"], "threads": c["precision"]["threads"],
+            "attention": c["precision"]["attention"], "batch_size": c["data"]["batch_size"],
             "effective_batch": {int(k): int(v) for k, v in c["accumulation"]["effective_batch"]},
             "ramp": c["accumulation"]["ramp"], "lr_scaling": c["accumulation"]["lr_scaling"],
             "max_steps": c["trainer"]["max_steps"]}

@@ -53,7 +53,8 @@ class GuardReport:
     @override
     def state_dict(self) -> dict[str, Any]:
         state = {"mode": self.mode, "start_mode": self._start_mode or self.mode, "reason": self.reason,
-                 "chain": list(self._chain), **self.counters.state_dict(), **self.threads.state_dict()}
+                 "chain": list(self._chain), **self.counters.state_dict(), **self.threads.state_dict(),
+                 **self.attention.state_dict()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
@@ -68,6 +69,7 @@ class GuardReport:
                            f"checkpoint's precision state is not restored.")
             return
         self.threads.load_state_dict(state_dict)
+        self.attention.load_state_dict(state_dict)
         reused = self.requested_mode == modes.AUTO and state_dict.get("mode") is not None
         self._timing_candidates = None  # auto's decision comes from the checkpoint: the resumed run is not re-timed
         self._switch_to(state_dict.get("mode", self.mode))
@@ -109,6 +111,8 @@ class GuardReport:
             rows["loss scaler"] = scaler
         if self.threads.requested is not None:
             rows["threads"] = self.threads.describe()
+        if self.attention.requested is not None:
+            rows["attention"] = self.attention.describe()
         if self.fp32_modules:
             rows["fp32 modules"] = ", ".join(getattr(m, "__name__", str(m)) for m in self.fp32_modules)
         return rows
@@ -119,4 +123,5 @@ class GuardReport:
                 "attempted_steps": self.counters.attempted_steps, "skipped_steps": self.counters.skipped_steps,
                 "nonfinite_rate": self.counters.nonfinite_rate, "fallbacks": list(self.counters.fallbacks),
                 "loss_scale": self.metrics()["precision/loss_scale"], "threads": torch.get_num_threads(),
-                "threads_reason": self.threads.reason}
+                "threads_reason": self.threads.reason, "attention": self.attention.chosen,
+                "attention_reason": self.attention.reason}

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lit_speed.compat import lightning as pl_compat
 from lit_speed.precision import modes
+from lit_speed.precision.attention_choice import AttentionChoice
 from lit_speed.precision.fp32_modules import Float32Islands, cast_floating, default_dtype, match_modules
 from lit_speed.precision.guard_report import GuardReport
 from lit_speed.precision.master_weights import MasterWeights
@@ -50,6 +51,8 @@ class GuardedPrecision(GuardReport, Precision):
         max_cpu_slowdown: Warn when a CPU low-precision matmul probes slower than this ratio to fp32.
         threads: Intra-op threads: ``None`` (torch's), an int, or ``"auto"``: this model's step timed at 1..cores
             threads on the first training batch, before ``auto`` times the modes (see :mod:`.thread_choice`).
+        attention: ``scaled_dot_product_attention``'s kernel: ``None`` (torch's), ``math``, ``flash``, ... or
+            ``"auto"``: timed with torch's pick and math on the first batch, in the mode in use (:mod:`.attention_choice`).
 
     Raises:
         ValueError: An unknown mode or policy, a bad scaler setting, or (at setup) a device or strategy that
@@ -65,9 +68,10 @@ class GuardedPrecision(GuardReport, Precision):
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
                  min_scale: float = 1.0, matmul_precision: str | None = None,
                  fp32_modules: Sequence[str | type] = (), max_cpu_slowdown: float = DEFAULT_MAX_SLOWDOWN,
-                 threads: int | str | None = None) -> None:
+                 threads: int | str | None = None, attention: str | None = None) -> None:
         self.requested_mode = modes.check_mode(mode)
         self.threads = ThreadChoice(threads)
+        self.attention = AttentionChoice(attention)
         if on_nonfinite is None:  # nothing to fall back to without float32 weights
             on_nonfinite = "fallback" if mode == modes.AUTO or modes.spec(mode).float32_weights else "skip"
         self._user_chain = modes.check_chain(mode, fallback_chain, on_nonfinite)
@@ -177,6 +181,7 @@ class GuardedPrecision(GuardReport, Precision):
             if self.requested_mode == modes.AUTO and self._timing_candidates is None:
                 rank_zero_info(f"GuardedPrecision: precision=auto -> {self.mode} ({self.reason})")
         modes.check_device_support(self.mode, self.device_type, _cuda_bf16())
+        self.attention.check_device(self.device_type)
         if self.device_type == "cpu" and self.requested_mode != modes.AUTO:
             self._warn_if_slow(modes.compute_dtype(self.mode))
         if self._spec.loss_scaling and (self.scaler is None or self._scaler_device != self.device_type):
@@ -252,18 +257,20 @@ class GuardedPrecision(GuardReport, Precision):
             context = default_dtype(self._cast_dtype)
         else:
             context = nullcontext()
-        with context:
+        with context, self.attention.context():
             yield
 
     @override
     def convert_input(self, data: Any) -> Any:
-        # the training loop hands every batch here before its transfer: threads=auto, then precision=auto, time
-        # the first one
+        # the training loop hands every batch here before its transfer: threads=auto, then precision=auto, then
+        # attention=auto time the first one
         training = self._trainer is not None and self._trainer.training and not self._trainer.sanity_checking
         if training and self.threads.pending:
             self.threads.decide(self._trainer, data, self.mode)
         if self._timing_candidates is not None and training:
             self._decide_by_timing(data)
+        if training and self.attention.pending:  # in the mode just chosen
+            self.attention.decide(self._trainer, data, self.mode)
         module_dtype = self._spec.module_dtype  # a bf16 module (bf16-true, bf16-master) takes bf16 inputs
         return cast_floating(data, module_dtype) if module_dtype is not None else data
 

@@ -186,6 +186,8 @@ CASES.update({
     "effective_batch_not_a_multiple": (["accumulation=ramp", "accumulation.effective_batch=[[0,100]]"],
                                        r"effective_batch\[0\] = 100 is not divisible by micro_batch \(64\) x world size "
                                        r"\(1\) = 64; use 64 or 128", True),
+    "attention_unknown": (["precision.attention=fast"], r"precision\.attention='fast': GuardedPrecision\(attention="
+                          r"'fast'\): one of auto, math, flash, efficient, cudnn or None", True),
     "threads_above_the_cores": (["precision.threads=1000"], r"precision\.threads=1000: GuardedPrecision\(threads=1000\)"
                                 r": more than the \d+ CPU core\(s\) this process may run on", True),
     "peft_option_unknown": (["peft=lora", "+peft.options.use_foo=true"],

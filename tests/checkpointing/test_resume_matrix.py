@@ -60,6 +60,9 @@ LEVERS = {"peft=lora peft.base_dtype=bf16": DIGITS + ["peft=lora", "peft.base_dt
           "experiment=charlm_cpu callbacks+=chunked_loss": [
               "experiment=charlm_cpu", *[a for a in PRESET if not a.startswith("callbacks=")],
               "callbacks=[model_checkpoint,fault_tolerance,chunked_loss]", "callbacks.chunked_loss.chunk_mib=0.05"],
+          # the attention kernel named (charlm_fast's row runs precision.attention=auto: timed, saved, kept on resume)
+          "experiment=charlm_cpu precision.attention=math": [
+              "experiment=charlm_cpu", *PRESET, "precision=bf16-mixed", "precision.attention=math"],
           # chunk_mib=auto (the default): the chunk decided at fit start is saved, and a resumed run keeps it
           "experiment=charlm_cpu callbacks+=chunked_loss chunk_mib=auto": [
               "experiment=charlm_cpu", *[a for a in PRESET if not a.startswith("callbacks=")],

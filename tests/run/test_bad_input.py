@@ -421,6 +421,11 @@ TRAIN_CASES_33 = {
     # (a TypeError at the first batch)
     "precision.threads=1000": r"^precision\.threads=1000: GuardedPrecision\(threads=1000\): more than the \d+ CPU "
                               r"core\(s\) this process may run on .*Fix: threads=\d+ \(or fewer\)",  # (ran 3.5x slower)
+    "precision.attention=fast": r"^precision\.attention='fast': GuardedPrecision\(attention='fast'\): one of auto, "
+                                r"math, flash, efficient, cudnn or None \(torch's pick\)\. Fix: attention=auto",
+    "precision.attention=cudnn": r"^precision\.attention='cudnn': GuardedPrecision\(attention='cudnn'\): the cudnn "
+                                 r"kernel is CUDA-only; this run trains on the CPU\. Fix: attention=math or flash",
+    # (a RuntimeError "No available kernel" at the first forward)
     "accumulation=ramp accumulation.effective_batch=[[0,100]]":
         r"^accumulation\.effective_batch=\{0: 100\}: AccumulationScheduler\(effective_batch=\{0: 100\}\): "
         r"effective_batch\[0\] = 100 is not divisible by micro_batch \(64\) x world size \(1\) = 64; use 64 or 128",

@@ -1,0 +1,153 @@
+"""The attention kernel of a run: torch's pick, one named kernel, or timed on the model's first training batch.
+
+``F.scaled_dot_product_attention`` has several kernels per device (CPU: a flash kernel and the math composition of
+matmuls and a softmax; CUDA: flash, memory-efficient, cuDNN and math) and torch picks one by rule, not by speed.
+On a Zen5 (torch 2.13, 2 threads) the CPU flash kernel's backward in bf16 took 2.9 ms per call for charlm's
+12 x 4 heads x 64 x 32 attention (its forward 0.41 ms): 45% of the 0.8M-parameter GPT's step. With the math
+kernel that step took 19 ms instead of 24.5 ms in bf16-mixed, while in float32 flash was the faster (28.5 vs
+32 ms): which kernel is faster depends on the dtype, the shapes and the CPU. ``attention="auto"`` times this
+model's step with torch's pick and with the math kernel, in the precision mode the run uses (after
+``precision=auto`` has chosen it), keeps torch's pick unless math is faster by the tuning margin, caches the
+timings per machine and checkpoints the choice (a resume keeps it). The kernels compute the same attention; their
+summation order differs, as between any two kernels.
+
+The math kernel materialises the ``L x S`` attention probabilities and autograd keeps them for the backward: at
+real sizes that is gigabytes (Qwen2.5-0.5B's dims, 4 x 512 tokens: ~2.6 GiB over 24 layers). ``auto`` does not time
+it when the step's calls would keep more than :data:`MATH_SAVED_CAP`, and says so.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from lit_speed.tuning import Decision, measured_choice
+
+#: The kernels a run may name (``torch.nn.attention.SDPBackend``); ``default`` is torch's own pick.
+KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+           "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+CPU_KERNELS = ("math", "flash")
+#: ``auto`` leaves the math kernel untimed when the step's attention probabilities, kept for the backward, would
+#: take more than this (bytes, counted at 8 per score: the scores and the probabilities, float32).
+MATH_SAVED_CAP = 256 * 2**20
+
+
+class AttentionChoice:
+    """``attention``: ``None`` (torch's pick), ``"auto"``, or a kernel: ``math``, ``flash``, ``efficient``, ``cudnn``.
+
+    Raises:
+        ValueError: Any other value, naming the setting and the fix.
+    """
+
+    def __init__(self, attention: str | None) -> None:
+        if not (attention is None or attention == "auto" or attention in KERNELS):
+            raise ValueError(f"GuardedPrecision(attention={attention!r}): one of auto, {', '.join(KERNELS)} or None "
+                             "(torch's pick). Fix: attention=auto (timed on this model's step) or attention=null")
+        self.requested = attention
+        self.chosen = attention if attention in KERNELS else "default"
+        self.reason = "requested" if attention in KERNELS else "torch's pick"
+        self.pending = attention == "auto"  # timed on the first training batch
+
+    def check_device(self, device_type: str) -> None:
+        """A named kernel the device has no such kernel for is refused at setup, not at the first forward."""
+        if device_type == "cpu" and self.requested in KERNELS and self.requested not in CPU_KERNELS:
+            raise ValueError(f"GuardedPrecision(attention={self.requested!r}): the {self.requested} kernel is "
+                             f"CUDA-only; this run trains on the CPU. Fix: attention={' or '.join(CPU_KERNELS)}, "
+                             "auto (timed here) or null (torch's pick)")
+
+    def context(self) -> AbstractContextManager:
+        """Entered around every forward (``GuardedPrecision.forward_context``): the backward follows the forward's
+        kernel, so the forward is where the choice is made."""
+        return sdpa_kernel([KERNELS[self.chosen]]) if self.chosen in KERNELS else nullcontext()
+
+    def decide(self, trainer: Any, batch: Any, mode: str) -> None:
+        """``attention="auto"``: rank 0 times the step with each kernel, every rank uses its choice."""
+        self.pending = False
+        decided = None
+        if trainer.global_rank == 0:
+            try:
+                decision = choose_attention(trainer.lightning_module, batch, mode, trainer.strategy.root_device)
+                decided = (decision.chosen, decision.reason)
+            except Exception as error:  # noqa: BLE001 - a step this timer cannot run: keep torch's pick
+                decided = ("default", f"kept torch's pick: could not time the step ({type(error).__name__})")
+        if trainer.world_size > 1:
+            decided = trainer.strategy.broadcast(decided, src=0)
+        self.chosen, self.reason = decided
+        rank_zero_info(f"GuardedPrecision: attention=auto -> {self.shown()} ({self.reason})")
+
+    def shown(self) -> str:
+        return "torch's pick" if self.chosen == "default" else f"{self.chosen} kernel"
+
+    def describe(self) -> str:
+        if self.pending:
+            return "auto: times this model's step with torch's pick and the math kernel on the first training batch"
+        return f"{self.shown()} ({self.reason})"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"attention": self.chosen, "attention_reason": self.reason} if self.requested is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resume keeps the checkpoint's kernel when this run asks for ``auto`` (not timed again)."""
+        if self.requested == "auto" and state.get("attention") in ("default", *KERNELS):
+            self.chosen, self.pending = state["attention"], False
+            self.reason = f"restored from the checkpoint (not timed again): {state.get('attention_reason', '')}"
+
+
+class CountAttention(TorchFunctionMode):
+    """Counts the ``scaled_dot_product_attention`` calls of a step and the scores they compute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.scores = 0  # query positions x key positions, over batch and heads, summed over the calls
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is F.scaled_dot_product_attention:
+            query, key = args[0] if args else kwargs["query"], args[1] if len(args) > 1 else kwargs["key"]
+            self.calls += 1
+            self.scores += math.prod(query.shape[:-1]) * key.shape[-2]
+        return func(*args, **(kwargs or {}))
+
+    def math_saved_bytes(self) -> int:
+        return 8 * self.scores
+
+
+def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: torch.device | None = None,
+                     cap: int = MATH_SAVED_CAP) -> Decision:
+    """Time this model's step (in ``mode``) with torch's attention kernel and with the math kernel, interleaved, and
+    pick one: torch's pick is kept unless math is faster by the tuning margin. Cached per machine; leaves no trace
+    in the run (copies of the model, RNG states restored)."""
+    from lit_speed.precision import step_timing as st
+
+    name = "precision.attention"
+    with st.preserved_rng_states(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step_input = st._as_step_input(module, batch, device)
+        base = st._detached_copy(module)
+        runs = {kernel: st._ModeRun(base, mode, st._loss_of) for kernel in ("default", "math")}
+        with CountAttention() as seen:
+            runs["default"].step(step_input)  # what the step's attention is (also the default's first warm-up)
+        if not seen.calls:
+            return Decision(name, "default", "this model's step calls no scaled_dot_product_attention: not timed")
+        if seen.math_saved_bytes() > cap:
+            return Decision(name, "default", f"the math kernel would keep ~{seen.math_saved_bytes() / 2**20:,.0f} MiB "
+                            f"of attention scores for the backward ({seen.calls} calls; over {cap / 2**20:.0f} MiB): "
+                            "not timed, torch's pick kept")
+
+        def run(kernel: str) -> Any:
+            def step() -> None:
+                with sdpa_kernel([SDPBackend.MATH]) if kernel == "math" else nullcontext():
+                    runs[kernel].step(step_input)
+            return step
+
+        key = {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode,
+               "params": sum(p.numel() for p in module.parameters()), "batch": st._shapes(step_input),
+               "device": str(device or "cpu")}
+        return measured_choice(name, key, {"default": run("default"), "math": run("math")}, default="default")
