@@ -13,30 +13,21 @@ summation order differs, as between any two kernels.
 
 The math kernel materialises the ``L x S`` attention probabilities and autograd keeps them for the backward: at
 real sizes that is gigabytes (Qwen2.5-0.5B's dims, 4 x 512 tokens: ~2.6 GiB over 24 layers). ``auto`` does not time
-it when the step's calls would keep more than :data:`MATH_SAVED_CAP`, and says so.
+it when the step's calls would keep more than
+:data:`~lit_speed.precision.step_timing.MATH_SAVED_CAP`, and says so.
 """
 from __future__ import annotations
 
-import math
-import warnings
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
-
-from lit_speed.tuning import Decision, measured_choice
 
 #: The kernels a run may name (``torch.nn.attention.SDPBackend``); ``default`` is torch's own pick.
 KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 CPU_KERNELS = ("math", "flash")
-#: ``auto`` leaves the math kernel untimed when the step's attention probabilities, kept for the backward, would
-#: take more than this (bytes, counted at 8 per score: the scores and the probabilities, float32).
-MATH_SAVED_CAP = 256 * 2**20
 
 
 class AttentionChoice:
@@ -70,6 +61,8 @@ class AttentionChoice:
     def decide(self, trainer: Any, batch: Any, mode: str) -> None:
         """``attention="auto"``: rank 0 times the step with each kernel, every rank uses its choice."""
         self.pending = False
+        from lit_speed.precision.step_timing import choose_attention
+
         decided = None
         if trainer.global_rank == 0:
             try:
@@ -98,56 +91,3 @@ class AttentionChoice:
         if self.requested == "auto" and state.get("attention") in ("default", *KERNELS):
             self.chosen, self.pending = state["attention"], False
             self.reason = f"restored from the checkpoint (not timed again): {state.get('attention_reason', '')}"
-
-
-class CountAttention(TorchFunctionMode):
-    """Counts the ``scaled_dot_product_attention`` calls of a step and the scores they compute."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-        self.scores = 0  # query positions x key positions, over batch and heads, summed over the calls
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is F.scaled_dot_product_attention:
-            query, key = args[0] if args else kwargs["query"], args[1] if len(args) > 1 else kwargs["key"]
-            self.calls += 1
-            self.scores += math.prod(query.shape[:-1]) * key.shape[-2]
-        return func(*args, **(kwargs or {}))
-
-    def math_saved_bytes(self) -> int:
-        return 8 * self.scores
-
-
-def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: torch.device | None = None,
-                     cap: int = MATH_SAVED_CAP) -> Decision:
-    """Time this model's step (in ``mode``) with torch's attention kernel and with the math kernel, interleaved, and
-    pick one: torch's pick is kept unless math is faster by the tuning margin. Cached per machine; leaves no trace
-    in the run (copies of the model, RNG states restored)."""
-    from lit_speed.precision import step_timing as st
-
-    name = "precision.attention"
-    with st.preserved_rng_states(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        step_input = st._as_step_input(module, batch, device)
-        base = st._detached_copy(module)
-        runs = {kernel: st._ModeRun(base, mode, st._loss_of) for kernel in ("default", "math")}
-        with CountAttention() as seen:
-            runs["default"].step(step_input)  # what the step's attention is (also the default's first warm-up)
-        if not seen.calls:
-            return Decision(name, "default", "this model's step calls no scaled_dot_product_attention: not timed")
-        if seen.math_saved_bytes() > cap:
-            return Decision(name, "default", f"the math kernel would keep ~{seen.math_saved_bytes() / 2**20:,.0f} MiB "
-                            f"of attention scores for the backward ({seen.calls} calls; over {cap / 2**20:.0f} MiB): "
-                            "not timed, torch's pick kept")
-
-        def run(kernel: str) -> Any:
-            def step() -> None:
-                with sdpa_kernel([SDPBackend.MATH]) if kernel == "math" else nullcontext():
-                    runs[kernel].step(step_input)
-            return step
-
-        key = {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode,
-               "params": sum(p.numel() for p in module.parameters()), "batch": st._shapes(step_input),
-               "device": str(device or "cpu")}
-        return measured_choice(name, key, {"default": run("default"), "math": run("math")}, default="default")

@@ -10,7 +10,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lit_speed import GuardedPrecision
 from lit_speed.models.gpt import GPT
-from lit_speed.precision.attention_choice import AttentionChoice, CountAttention, choose_attention
+from lit_speed.precision.attention_choice import AttentionChoice
+from lit_speed.precision.step_timing import CountAttention, choose_attention
 from lit_speed.tuning import Decision
 
 
@@ -107,7 +108,7 @@ def test_auto_is_decided_on_the_first_batch_in_the_run_s_mode_applied_saved_and_
         calls.append(mode)
         return Decision("precision.attention", "math", "stand-in timing")
 
-    monkeypatch.setattr("lit_speed.precision.attention_choice.choose_attention", stand_in)
+    monkeypatch.setattr("lit_speed.precision.step_timing.choose_attention", stand_in)
     plugin = GuardedPrecision("bf16-mixed", attention="auto")
     assert plugin.describe()["attention"].startswith("auto: times this model's step")
     module = TinyGPT()
