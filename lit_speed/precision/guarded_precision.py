@@ -52,7 +52,7 @@ class GuardedPrecision(GuardReport, Precision):
         threads: Intra-op threads: ``None`` (torch's), an int, or ``"auto"``: this model's step timed at 1..cores
             threads on the first training batch, before ``auto`` times the modes (see :mod:`.thread_choice`).
         attention: ``scaled_dot_product_attention``'s kernel: ``None`` (torch's), ``math``, ``flash``, ... or
-            ``"auto"``: timed with torch's pick and math on the first batch, in the mode in use (:mod:`.attention_choice`).
+            ``"auto"``: torch's pick and math timed on the first batch, in the mode in use (:mod:`.attention_choice`).
 
     Raises:
         ValueError: An unknown mode or policy, a bad scaler setting, or (at setup) a device or strategy that
