@@ -41,10 +41,14 @@ def share_run_time(timeout_s: float = 120.0) -> str | None:
 def release_process_group() -> None:
     """Destroy the default process group, if this process has one, before the interpreter exits.
 
-    Lightning keeps the group after ``fit`` (a ``test`` may follow). A 2-process ZeRO run that had finished aborted
-    at interpreter exit once in ~14 ("terminate called without an active exception", exit -6), most likely gloo's
-    worker threads torn down by static destructors; destroying the group first joins them. Every rank calls this
-    once its work is done, so no collective is cut short.
+    Lightning keeps the group after ``fit`` (a ``test`` may follow). Every rank calls this once its work is done, so
+    no collective is cut short. It does not remove every abort at exit: a finished 2-process ZeRO-3 run still ended
+    with "terminate called without an active exception" (exit -6) in 2 of 30 runs on 2026-11-28, and a core dump
+    showed gloo's worker thread (``ProcessGroupGloo::runLoop``) destroying an ``AsyncAllgatherWork`` whose tensors hold
+    Python objects, taking the GIL while the interpreter finalizes (pytorch/pytorch#179291, abandoned upstream). The
+    run's outputs are written by then; the test helpers end with ``os._exit`` after a barrier
+    (``tests/helpers/process_end.py``: 30 of 30 clean), ``scripts/train.py`` still exits through the interpreter so
+    that users' atexit hooks (a W&B run's finish, ...) run.
     """
     import torch.distributed as dist
 
