@@ -76,7 +76,6 @@ def lit_command(model: str, mode: str, steps: int, block: int, micro: int, r: in
     return [sys.executable, str(ROOT / "scripts" / "train.py"), *base, *extra]
 
 
-
 def peer_command(tool: str, model: str, mode: str, flags: str, steps: int, block: int, micro: int, r: int, lr: float,
                  out: Path, device: str = "cpu") -> list[str]:
     return [sys.executable, str(ROOT / "benchmarks" / "real_size_peers.py"), tool, "--model", str(build(model)),

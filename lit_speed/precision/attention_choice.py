@@ -24,6 +24,8 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lit_speed.precision.thread_choice import decided_on_rank_zero
+
 #: The kernels a run may name (``torch.nn.attention.SDPBackend``); ``default`` is torch's own pick.
 KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -60,19 +62,12 @@ class AttentionChoice:
 
     def decide(self, trainer: Any, batch: Any, mode: str) -> None:
         """``attention="auto"``: rank 0 times the step with each kernel, every rank uses its choice."""
-        self.pending = False
         from lit_speed.precision.step_timing import choose_attention
 
-        decided = None
-        if trainer.global_rank == 0:
-            try:
-                decision = choose_attention(trainer.lightning_module, batch, mode, trainer.strategy.root_device)
-                decided = (decision.chosen, decision.reason)
-            except Exception as error:  # noqa: BLE001 - a step this timer cannot run: keep torch's pick
-                decided = ("default", f"kept torch's pick: could not time the step ({type(error).__name__})")
-        if trainer.world_size > 1:
-            decided = trainer.strategy.broadcast(decided, src=0)
-        self.chosen, self.reason = decided
+        self.pending = False
+        self.chosen, self.reason = decided_on_rank_zero(
+            trainer, lambda: choose_attention(trainer.lightning_module, batch, mode, trainer.strategy.root_device),
+            "default", "kept torch's pick")
         rank_zero_info(f"GuardedPrecision: attention=auto -> {self.shown()} ({self.reason})")
 
     def shown(self) -> str:

@@ -372,7 +372,7 @@ def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: tor
         warnings.simplefilter("ignore")
         step_input = _as_step_input(module, batch, device)
         base = _detached_copy(module)
-        runs = {kernel: _ModeRun(base, mode, _loss_of) for kernel in ("default", "math")}
+        runs = {"default": _ModeRun(base, mode, _loss_of)}  # math's copy only once it is to be timed
         with CountAttention() as seen:
             runs["default"].step(step_input)  # what the step's attention is (also the default's first warm-up)
         if not seen.calls:
@@ -381,6 +381,8 @@ def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: tor
             return Decision(name, "default", f"the math kernel would keep ~{seen.math_saved_bytes() / 2**20:,.0f} MiB "
                             f"of attention scores for the backward ({seen.calls} calls; over {cap / 2**20:.0f} MiB): "
                             "not timed, torch's pick kept")
+
+        runs["math"] = _ModeRun(base, mode, _loss_of)
 
         def run(kernel: str) -> Any:
             def step() -> None:

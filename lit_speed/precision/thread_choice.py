@@ -10,7 +10,7 @@ count). The choice goes into the checkpoint and a resume reuses it.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -49,19 +49,14 @@ class ThreadChoice:
         """``threads="auto"``: rank 0 times the step at each candidate count, every rank uses its choice."""
         from lit_speed.precision.step_timing import choose_threads, thread_candidates
 
+        def time_it() -> Any:
+            counts = thread_candidates(os.cpu_count() or 1, int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                               trainer.num_devices or 1)))
+            return choose_threads(trainer.lightning_module, batch, mode, counts, trainer.strategy.root_device)
+
         self.pending = False
-        decided = None
-        if trainer.global_rank == 0:
-            try:
-                local = int(os.environ.get("LOCAL_WORLD_SIZE", trainer.num_devices or 1))
-                counts = thread_candidates(os.cpu_count() or 1, local)
-                decision = choose_threads(trainer.lightning_module, batch, mode, counts, trainer.strategy.root_device)
-                decided = (int(decision.chosen), decision.reason)
-            except Exception as error:  # noqa: BLE001 - a step this timer cannot run: keep torch's count
-                decided = (torch.get_num_threads(), f"kept: could not time the step ({type(error).__name__})")
-        if trainer.world_size > 1:
-            decided = trainer.strategy.broadcast(decided, src=0)
-        self.chosen, self.reason = decided
+        chosen, self.reason = decided_on_rank_zero(trainer, time_it, torch.get_num_threads(), "kept")
+        self.chosen = int(chosen)
         torch.set_num_threads(self.chosen)
         rank_zero_info(f"GuardedPrecision: threads=auto -> {self.chosen} ({self.reason})")
 
@@ -79,3 +74,19 @@ class ThreadChoice:
             self.chosen, self.pending = int(state["threads"]), False
             self.reason = f"restored from the checkpoint (not timed again): {state.get('threads_reason', '')}"
             torch.set_num_threads(self.chosen)
+
+
+def decided_on_rank_zero(trainer: Any, time_it: Callable[[], Any], kept: Any, kept_why: str) -> tuple[Any, str]:
+    """``(chosen, reason)`` of ``time_it()`` (a :class:`~lit_speed.tuning.Decision`) run on global rank 0 only, and
+    broadcast to every process: the ranks must step alike, and one timing is enough. A step the timer cannot run
+    keeps ``kept``, its reason ``"<kept_why>: could not time the step (<error type>)"``."""
+    decided = None
+    if trainer.global_rank == 0:
+        try:
+            decision = time_it()
+            decided = (decision.chosen, decision.reason)
+        except Exception as error:  # noqa: BLE001 - a step this timer cannot run: keep what the run has
+            decided = (kept, f"{kept_why}: could not time the step ({type(error).__name__})")
+    if trainer.world_size > 1:
+        decided = trainer.strategy.broadcast(decided, src=0)
+    return decided
