@@ -12,6 +12,14 @@ if not os.path.exists("/dev/nvidia0"):  # no NVIDIA device: DeepSpeed's CPU acce
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
+import atexit  # noqa: E402
+
+from lit_speed.run import launch_env  # noqa: E402  (cheap: os and datetime)
+
+# registered before any library's hook, so it runs after all of them: a multi-process run ends there with its
+# status, without the interpreter's finalization, where gloo's threads can abort it (launch_env.exit_after_exit_hooks)
+atexit.register(launch_env.exit_after_exit_hooks)
+
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
@@ -58,10 +66,13 @@ if __name__ == "__main__":
         sys.exit(2)
     try:
         main()
+    except BaseException as error:  # SystemExit included: Hydra's and ours (exit codes 1, 2, 143, ...)
+        launch_env.record_exit_status(error)
+        raise
+    else:
+        launch_env.record_exit_status(None)
     finally:
-        from lit_speed.run.launch_env import release_process_group
-
-        release_process_group()  # gloo's threads left to the interpreter's exit can abort it (SIGABRT) after a good run
+        launch_env.release_process_group()  # before the interpreter's exit, where gloo's threads can abort it
         import gc
 
         gc.freeze()  # skip the interpreter's last full collection: 4-13 s of a loaded 2-core box's exit (torch + Lightning)

@@ -102,11 +102,48 @@ def merged_tensors(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
         seen.add(value.data_ptr())
         yield {key: _float32(value, scales)}
     for name, layer in top:
-        one = copy.deepcopy(layer)
-        dequantize_frozen_base(one)  # an int8-held base layer: its float32 values before the merge
-        one = one.float()
-        one.merge(safe_merge=True)  # raises on non-finite merged weights
-        yield {f"{name}.{k}": _float32(v) for k, v in one.get_base_layer().state_dict().items()}
+        merged = _merged_lora_linear(layer, scales)
+        if merged is None:  # not a plain LoRA Linear: peft merges a float32 copy of the layer
+            one = copy.deepcopy(layer)
+            dequantize_frozen_base(one)  # an int8-held base layer: its float32 values before the merge
+            one = one.float()
+            one.merge(safe_merge=True)  # raises on non-finite merged weights
+            merged = {k: _float32(v) for k, v in one.get_base_layer().state_dict().items()}
+        yield {f"{name}.{k}": v for k, v in merged.items()}
+
+
+def _merged_lora_linear(layer: nn.Module, scales: dict[int, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The base layer's float32 tensors with ``layer``'s adapter merged, for a plain LoRA ``Linear`` (one active
+    adapter, no DoRA or other variant, no LoRA bias); None for any other layer.
+
+    The same float32 operations as ``peft``'s ``merge(safe_merge=True)`` on a float32 copy of the layer (weight + (B @
+    A) * scaling, transposed for ``fan_in_fan_out``), bitwise, without copying the layer first: a 0.5B model's
+    merge took 2.0 s that way against 0.4 s for ``merge_and_unload`` in place (the copies' fresh pages).
+    """
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.utils.other import transpose
+
+    if type(layer) is not LoraLinear or layer.merged or len(layer.active_adapters) != 1:
+        return None
+    adapter = layer.active_adapters[0]
+    if adapter not in layer.lora_A or adapter in layer.lora_variant or layer.lora_bias[adapter]:
+        return None
+    base = layer.get_base_layer()
+    state = base.state_dict(keep_vars=True)
+    if set(state) - {"weight", "bias"}:
+        return None
+    weight = state["weight"]
+    merged = _float32(weight, scales)
+    if merged.data_ptr() == weight.data_ptr():
+        merged = merged.clone()  # a float32 weight: the module's own tensor, left as it is
+    delta = layer.lora_B[adapter].weight.detach().float() @ layer.lora_A[adapter].weight.detach().float()
+    merged += transpose(delta, layer.fan_in_fan_out) * layer.scaling[adapter]
+    if not torch.isfinite(merged).all():
+        raise ValueError(f"NaNs detected in the merged weights. The adapter {adapter} seems to be broken")
+    out = {"weight": merged}
+    if "bias" in state and state["bias"] is not None:
+        out["bias"] = _float32(state["bias"])
+    return out
 
 
 #: Largest shard of a written folder. The float32 tensors of one shard are alive together until it is written: a

@@ -8,8 +8,10 @@ rank reads it into ``LIT_SPEED_RUN_TIME``, which ``conf/hydra/default.yaml`` use
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import datetime, timedelta
+from typing import Any
 
 RUN_TIME_ENV = "LIT_SPEED_RUN_TIME"
 RUN_TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # the pattern of ${now:...} in conf/hydra/default.yaml
@@ -42,18 +44,69 @@ def release_process_group() -> None:
     """Destroy the default process group, if this process has one, before the interpreter exits.
 
     Lightning keeps the group after ``fit`` (a ``test`` may follow). Every rank calls this once its work is done, so
-    no collective is cut short. It does not remove every abort at exit: a finished 2-process ZeRO-3 run still ended
-    with "terminate called without an active exception" (exit -6) in 2 of 30 runs on 2026-11-28, and a core dump
-    showed gloo's worker thread (``ProcessGroupGloo::runLoop``) destroying an ``AsyncAllgatherWork`` whose tensors hold
-    Python objects, taking the GIL while the interpreter finalizes (pytorch/pytorch#179291, abandoned upstream). The
-    run's outputs are written by then; the test helpers end with ``os._exit`` after a barrier
-    (``tests/helpers/process_end.py``: 30 of 30 clean), ``scripts/train.py`` still exits through the interpreter so
-    that users' atexit hooks (a W&B run's finish, ...) run.
+    no collective is cut short. A process that had a group then ends through :func:`exit_after_exit_hooks` (when
+    ``scripts/train.py`` registered it): destroying the group does not stop every abort at exit.
     """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        _ENDING["had_group"] = True
+
+
+#: What :func:`exit_after_exit_hooks` needs at exit: whether a process group existed, and the exit status.
+_ENDING: dict[str, Any] = {"had_group": False, "status": None}
+#: Set to ``interpreter`` to end every run through the interpreter's own finalization (see exit_after_exit_hooks).
+EXIT_ENV = "LIT_SPEED_EXIT"
+
+
+def exit_after_exit_hooks() -> None:
+    """The ``atexit`` hook ``scripts/train.py`` registers before anything else, so it runs after every other one:
+    a process that had a process group ends with ``os._exit(<its status>)`` there, skipping only the interpreter's
+    finalization; a run without one exits as Python does.
+
+    Why: a finished 2-process ZeRO-3 run ended with "terminate called without an active exception" (exit -6) in 2
+    of 30 runs on 2026-11-28, also after :func:`release_process_group`: a core dump showed gloo's worker thread
+    (``ProcessGroupGloo::runLoop``) destroying an ``AsyncAllgatherWork`` whose tensors hold Python objects and taking
+    the GIL while the interpreter finalizes (pytorch/pytorch#190489; the atexit fix of #179291 was abandoned
+    upstream). Every atexit hook the run's code registered (loggers, a W&B run's finish, ``logging``'s shutdown)
+    has run by then; what is skipped is the teardown of modules and objects, which is where the abort happens. Only
+    hooks registered before ``scripts/train.py`` started (by ``.pth`` files, e.g. ``coverage``'s subprocess start-up)
+    would run after this one and are skipped too: ``LIT_SPEED_EXIT=interpreter`` keeps the interpreter's exit.
+    The status is the one Python would give (:func:`record_exit_status`); an interrupted run (Ctrl-C) still ends
+    by SIGINT.
+    """
+    status = _ENDING["status"]
+    if not _ENDING["had_group"] or status is None or os.environ.get(EXIT_ENV) == "interpreter":
+        return
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if status == "sigint":
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(status if isinstance(status, int) else 1)
+
+
+def record_exit_status(error: BaseException | None) -> None:
+    """The status the process will exit with, as Python gives it: 0 without ``error``, a ``SystemExit``'s code (None:
+    0, an int: itself, anything else: 1, printed by Python), ``"sigint"`` for KeyboardInterrupt, else 1."""
+    if error is None:
+        status: Any = 0
+    elif isinstance(error, SystemExit):
+        code = error.code
+        status = 0 if code is None else int(code) if isinstance(code, int) else 1
+    elif isinstance(error, KeyboardInterrupt):
+        status = "sigint"
+    else:
+        status = 1
+    _ENDING["status"] = status
 
 
 LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")  # the deepspeed launcher's and torch.distributed.launch's

@@ -15,7 +15,8 @@ def end_helper_process() -> None:
     takes the GIL while the interpreter is finalizing (the race pytorch/pytorch#179291 wanted to close with an atexit
     hook; abandoned upstream). A helper has nothing left to do once its ``rank<k>.json`` is written, so it skips the
     finalization: a barrier first (no rank leaves while another still writes its results), then ``os._exit(0)`` after
-    flushing stdout and stderr. ``scripts/train.py`` is not changed by this: see ``launch_env.release_process_group``.
+    flushing stdout and stderr. ``scripts/train.py`` ends the same way once its atexit hooks have run
+    (``launch_env.exit_after_exit_hooks``).
     """
     import torch.distributed as dist
 

@@ -1,0 +1,78 @@
+"""How ``scripts/train.py`` ends (``launch_env.exit_after_exit_hooks``): a process that had a process group runs every
+atexit hook the run registered, then ends with Python's own status without the interpreter's finalization (where
+gloo's threads aborted finished 2-process runs, exit -6); a run without a group, or with ``LIT_SPEED_EXIT=
+interpreter``, ends as Python ends. Each case in a process of its own, set up as train.py sets itself up."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.repo import ROOT
+
+SCRIPT = """
+import atexit, os, sys
+from lit_speed.run import launch_env
+atexit.register(launch_env.exit_after_exit_hooks)  # first, as in scripts/train.py
+
+class Sentinel:
+    def __del__(self):
+        os.write(1, b"finalized\\n")  # runs only in the interpreter's finalization (module teardown)
+
+SENTINEL = Sentinel()
+atexit.register(lambda: os.write(1, b"user hook\\n"))  # a run's own hook (a logger's finish), registered later
+import torch.distributed as dist
+if {group}:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.all_reduce(__import__("torch").ones(3))
+
+def main():
+    {body}
+
+try:
+    main()
+except BaseException as error:
+    launch_env.record_exit_status(error)
+    raise
+else:
+    launch_env.record_exit_status(None)
+finally:
+    launch_env.release_process_group()
+"""
+
+
+def _run(body: str, group: bool, port: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    code = SCRIPT.format(group=group, port=port, body=body)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("body,status,printed", [
+    ("print('done')", 0, "done"),
+    ("sys.exit(143)", 143, ""),  # a stop signal's exit (RunStopped)
+    ("sys.exit('Config error: x')", 1, "Config error: x"),  # Python prints a non-int code to stderr
+    ("raise RuntimeError('broken')", 1, "RuntimeError: broken"),  # the traceback is printed before the hooks
+])
+def test_a_run_with_a_process_group_runs_its_hooks_and_ends_with_its_status_without_finalization(body, status,
+                                                                                                printed):
+    done = _run(body, group=True, port=29541)
+    assert done.returncode == status, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1:] == ["user hook"]  # the run's hook ran, last; no finalization after it
+    assert "finalized" not in done.stdout
+    assert printed in done.stdout + done.stderr
+
+
+def test_an_interrupted_run_with_a_process_group_still_ends_by_sigint():
+    done = _run("raise KeyboardInterrupt", group=True, port=29542)
+    assert done.returncode == -signal.SIGINT and "user hook" in done.stdout and "finalized" not in done.stdout
+
+
+@pytest.mark.parametrize("group,env", [(False, None), (True, {"LIT_SPEED_EXIT": "interpreter"})])
+def test_without_a_group_or_when_asked_the_interpreter_ends_the_run(group, env):
+    done = _run("sys.exit(3)", group=group, port=29543 + group, env=env)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["user hook", "finalized"]
