@@ -5,8 +5,9 @@
     paths = export_merged(lightning_module, "out/")   # out/hf/ for a Hugging Face model, else out/model.pt
 
 One format is written (``format="auto"``: a ``save_pretrained`` folder for a Hugging Face model, a ``state_dict``
-file otherwise; ``"hf"`` or ``"state_dict"`` to choose). Each adapter layer is merged by ``peft`` itself
-(``merge(safe_merge=True)``) on a float32 copy of that one layer, and the folder is written shard by shard, so the
+file otherwise; ``"hf"`` or ``"state_dict"`` to choose). A plain LoRA ``Linear`` is merged from the layer in place
+into a new float32 tensor (bitwise what ``peft``'s ``merge(safe_merge=True)`` gives on a float32 copy of the layer),
+any other adapter layer by ``peft`` itself on such a copy, and the folder is written shard by shard, so the
 export never holds a second copy of the model: at 0.5-1B parameters a whole merged copy costs as much memory as
 the weights. The trained module is left exactly as it was (adapters, precision, activation checkpointing); its
 ``state_dict()`` values are used in float32 (bf16-master's masters; a bf16-held frozen base's values, exactly, and
