@@ -23,6 +23,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("LIT_SPEED_ROOT", str(ROOT))
     # precision=auto caches its step timings on disk: tests (and their subprocesses) use a cache of their own
     os.environ["LIT_SPEED_CACHE_DIR"] = tempfile.mkdtemp(prefix="lit_speed_test_cache_")
+    # and use it: runs compared bitwise rely on the first run's timed choices being read by the next
+    # (a developer's LIT_SPEED_AUTO_CACHE=0 would make each run time its own; tests that need that set it themselves)
+    os.environ.pop("LIT_SPEED_AUTO_CACHE", None)
     # DeepSpeed's accelerator follows this machine, so `pytest -m gpu` on a GPU runs DeepSpeed's CUDA
     # accelerator. ZeroStrategy re-checks the choice at setup.
     os.environ["DS_ACCELERATOR"] = default_accelerator_name()
@@ -143,3 +146,15 @@ def _isolated_distributed_env():
         os.environ.pop(key, None)
         if saved[key] is not None:
             os.environ[key] = saved[key]
+
+
+@pytest.fixture(autouse=True)
+def _restored_thread_count():
+    """``precision.threads=auto`` (the charlm_fast preset) sets torch's intra-op thread count for the rest of the
+    process; an in-process run must not hand its timed count to the tests after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)

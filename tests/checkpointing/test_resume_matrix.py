@@ -131,8 +131,18 @@ def _cases() -> list:
 CASES = _cases()
 
 
-def _precision_mode(checkpoint: Path) -> str:
-    return torch.load(checkpoint, map_location="cpu", weights_only=True)["GuardedPrecision"]["mode"]
+def _precision_choices(checkpoint: Path) -> list[str]:
+    """The overrides that name what a run with ``precision=auto`` (and threads/attention ``auto``) chose: its mode,
+    thread count and attention kernel. The thread count is in the cache keys of the later timed choices (attention,
+    Muon's kernels) and the stopped run timed it before its mode was chosen, under another key: an uninterrupted run
+    left to time it again could choose another count, whose sums differ in the last bits."""
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["GuardedPrecision"]
+    pins = [f"precision={saved['mode']}"]
+    if saved.get("threads") is not None:
+        pins.append(f"precision.threads={saved['threads']}")
+    if "attention" in saved:
+        pins.append("precision.attention=" + ("null" if saved["attention"] == "default" else saved["attention"]))
+    return pins
 
 
 @pytest.mark.parametrize("args, kill_step, term_batch", CASES)
@@ -158,10 +168,11 @@ def test_killed_run_resumes_bitwise_like_the_uninterrupted_run(tmp_path: Path, a
     assert resumed.returncode == 0, explain(resumed)
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr, explain(resumed)
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    if auto:  # the uninterrupted run of the mode this run chose (and kept over the resume: not timed again)
-        chosen = _precision_mode(last)
+    if auto:  # the uninterrupted run of what this run chose (and kept over the resume: not timed again)
+        pins = _precision_choices(last)
         assert "restored from the checkpoint (not timed again)" in resumed.stdout + resumed.stderr, explain(resumed)
-        fixed = [a for a in args if not a.startswith("precision=")] + [f"precision={chosen}"]
+        named = tuple(p.partition("=")[0] + "=" for p in pins)
+        fixed = [a for a in args if not a.startswith(named)] + pins
         reference = [train(fixed, tmp_path / "reference")]
     assert reference[0].returncode == 0, explain(reference[0])
     diffs = max_abs_differences(tmp_path / "reference" / "checkpoints" / "last.ckpt", last)

@@ -1,8 +1,6 @@
 """ValidationBudget: the validation cadence follows the measured costs; the rule, the wiring and the resume."""
 from __future__ import annotations
 
-import time
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -30,20 +28,33 @@ def test_bad_settings_are_refused_naming_them(kwargs, match):
         ValidationBudget(**kwargs)
 
 
-class SlowValidation(pl.LightningModule):
-    """Training batches of ~5 ms, a validation pass of ~4 x 25 ms: the budget, not the model, sets the cadence."""
+class Clock:
+    """Stands in for ``time`` in the callback: the model's steps advance it by fixed, binary-exact amounts, so the
+    measured costs are exact on any machine, however busy (real sleeps moved the interval by +-50% under load)."""
 
     def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class SlowValidation(pl.LightningModule):
+    """Training batches of 1/128 s, a validation pass of 4 x 1/64 s on the callback's clock: the budget, not the
+    model, sets the cadence."""
+
+    def __init__(self, clock: Clock) -> None:
         super().__init__()
         self.net = torch.nn.Linear(4, 1)
         self.validations = 0
+        self.clock = clock
 
     def training_step(self, batch, batch_idx):
-        time.sleep(0.005)
+        self.clock.now += 1 / 128
         return self.net(batch[0]).pow(2).mean()
 
     def validation_step(self, batch, batch_idx):
-        time.sleep(0.025)
+        self.clock.now += 1 / 64
         self.log("val_loss", self.net(batch[0]).pow(2).mean())
 
     def on_validation_end(self) -> None:
@@ -62,8 +73,8 @@ class SlowValidation(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def _fit(root, budget, max_steps, ckpt_path=None):
-    model = SlowValidation()
+def _fit(root, budget, max_steps, ckpt_path=None, clock=None):
+    model = SlowValidation(clock or Clock())
     trainer = pl.Trainer(max_steps=max_steps, val_check_interval=10, check_val_every_n_epoch=None,
                          num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=root, callbacks=[budget, ModelCheckpoint(dirpath=root, save_last=True)])
@@ -71,15 +82,17 @@ def _fit(root, budget, max_steps, ckpt_path=None):
     return model, trainer
 
 
-def test_the_first_validation_sets_the_cadence_and_a_resume_keeps_it(tmp_path):
-    budget = ValidationBudget(max_fraction=0.2, max_interval=200)
-    model, trainer = _fit(tmp_path, budget, 120)
-    # 0.1 s of validation, 5 ms batches, 20%: about 80 batches (the sleeps dominate; overheads move it a little)
-    assert 40 <= budget.interval <= 120 and trainer.val_check_batch == budget.interval
-    assert "one validation" in budget.reason
-    assert model.validations == 1 + sum(1 for b in range(10, 120) if (b + 1) % budget.interval == 0)
+def test_the_first_validation_sets_the_cadence_and_a_resume_keeps_it(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("lit_speed.monitoring.validation_budget.time", clock)
+    budget = ValidationBudget(max_fraction=0.25, max_interval=200)
+    model, trainer = _fit(tmp_path, budget, 120, clock=clock)
+    # 1/16 s of validation, 1/128 s batches, 25%: (1/16) / (1/16 + n/128) <= 1/4  <=>  n >= 24
+    assert budget.interval == 24 and trainer.val_check_batch == 24
+    assert "one validation 0.06 s, one training batch 7.8 ms" in budget.reason
+    assert model.validations == 1 + sum(1 for b in range(10, 120) if (b + 1) % 24 == 0) == 6
 
-    resumed = ValidationBudget(max_fraction=0.2, max_interval=200)
-    _, trainer = _fit(tmp_path, resumed, 130, ckpt_path=str(tmp_path / "last.ckpt"))
+    resumed = ValidationBudget(max_fraction=0.25, max_interval=200)
+    _, trainer = _fit(tmp_path, resumed, 130, ckpt_path=str(tmp_path / "last.ckpt"), clock=clock)
     assert resumed.interval == budget.interval and trainer.val_check_batch == budget.interval
     assert resumed.reason.startswith("restored from the checkpoint")
