@@ -65,14 +65,8 @@ if __name__ == "__main__":
         print(f"Config error: {error}", file=sys.stderr)
         sys.exit(2)
     try:
-        main()
-    except BaseException as error:  # SystemExit included: Hydra's and ours (exit codes 1, 2, 143, ...)
-        launch_env.record_exit_status(error)
-        raise
-    else:
-        launch_env.record_exit_status(None)
+        launch_env.run_and_release(main)  # the exit status kept for exit_after_exit_hooks, the process group released
     finally:
-        launch_env.release_process_group()  # before the interpreter's exit, where gloo's threads can abort it
         import gc
 
         gc.freeze()  # skip the interpreter's last full collection: 4-13 s of a loaded 2-core box's exit (torch + Lightning)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Callable
 
 RUN_TIME_ENV = "LIT_SPEED_RUN_TIME"
 RUN_TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # the pattern of ${now:...} in conf/hydra/default.yaml
@@ -92,6 +92,20 @@ def exit_after_exit_hooks() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(status if isinstance(status, int) else 1)
+
+
+def run_and_release(main: Callable[[], Any]) -> None:
+    """``main()``, its exit status recorded for :func:`exit_after_exit_hooks` (:func:`record_exit_status`), then the
+    process group released, whatever happened: how ``scripts/train.py`` runs its Hydra main."""
+    try:
+        main()
+    except BaseException as error:  # SystemExit included: Hydra's and ours (exit codes 1, 2, 143, ...)
+        record_exit_status(error)
+        raise
+    else:
+        record_exit_status(None)
+    finally:
+        release_process_group()  # before the interpreter's exit, where gloo's threads can abort it
 
 
 def record_exit_status(error: BaseException | None) -> None:

@@ -1,9 +1,6 @@
 """How the multi-process test helpers end once their results are written."""
 from __future__ import annotations
 
-import os
-import sys
-
 
 def end_helper_process() -> None:
     """Wait for every rank, destroy the process group, and end this process without the interpreter's finalization.
@@ -14,18 +11,17 @@ def end_helper_process() -> None:
     (``c10d::ProcessGroupGloo::runLoop``) destroys an ``AsyncAllgatherWork`` whose tensors hold Python objects and
     takes the GIL while the interpreter is finalizing (the race pytorch/pytorch#179291 wanted to close with an atexit
     hook; abandoned upstream). A helper has nothing left to do once its ``rank<k>.json`` is written, so it skips the
-    finalization: a barrier first (no rank leaves while another still writes its results), then ``os._exit(0)`` after
-    flushing stdout and stderr. ``scripts/train.py`` ends the same way once its atexit hooks have run
-    (``launch_env.exit_after_exit_hooks``).
+    finalization: a barrier first (no rank leaves while another still writes its results), then the ending
+    ``scripts/train.py`` has after its atexit hooks (``launch_env.exit_after_exit_hooks``: logging shut down, stdout
+    and stderr flushed, ``os._exit(0)``), called here at once.
     """
     import torch.distributed as dist
 
-    from lit_speed.run.launch_env import release_process_group
+    from lit_speed.run import launch_env
 
     if not (dist.is_available() and dist.is_initialized()):
         return  # one process, no gloo threads: the normal exit
     dist.barrier()
-    release_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    launch_env.release_process_group()
+    launch_env.record_exit_status(None)
+    launch_env.exit_after_exit_hooks()

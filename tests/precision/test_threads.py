@@ -51,13 +51,6 @@ class Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.fixture
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def _fit(root, plugin, max_steps, ckpt_path=None):
     trainer = pl.Trainer(max_steps=max_steps, plugins=[plugin], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=root,
@@ -66,8 +59,7 @@ def _fit(root, plugin, max_steps, ckpt_path=None):
     return trainer
 
 
-def test_auto_threads_are_decided_on_the_first_batch_saved_and_reused_on_resume(tmp_path, monkeypatch,
-                                                                               restore_threads):
+def test_auto_threads_are_decided_on_the_first_batch_saved_and_reused_on_resume(tmp_path, monkeypatch):
     calls = []
 
     def stand_in(module, batch, mode, counts, device=None):  # the timing itself is tested below, for real
@@ -88,7 +80,7 @@ def test_auto_threads_are_decided_on_the_first_batch_saved_and_reused_on_resume(
     assert torch.get_num_threads() == 1 and "restored from the checkpoint" in resumed.threads.reason
 
 
-def test_choose_threads_times_the_real_step_and_leaves_no_trace(restore_threads):
+def test_choose_threads_times_the_real_step_and_leaves_no_trace():
     model = Tiny()
     before = [p.detach().clone() for p in model.parameters()]
     batch = (torch.randn(8, 8), torch.randn(8, 1))

@@ -33,15 +33,7 @@ if {group}:
 def main():
     {body}
 
-try:
-    main()
-except BaseException as error:
-    launch_env.record_exit_status(error)
-    raise
-else:
-    launch_env.record_exit_status(None)
-finally:
-    launch_env.release_process_group()
+launch_env.run_and_release(main)  # as scripts/train.py runs its Hydra main
 """
 
 
