@@ -108,6 +108,32 @@ def run_and_release(main: Callable[[], Any]) -> None:
         release_process_group()  # before the interpreter's exit, where gloo's threads can abort it
 
 
+def end_distributed_process() -> None:
+    """The last call of a script of your own that ran a fit with a process group (DDP, ``ZeroStrategy``, ``torchrun``;
+    gloo on CPU): wait for every rank, release the group, run every ``atexit`` hook as Python would, then end with
+    status 0 without the interpreter's finalization, as ``scripts/train.py`` does (:func:`exit_after_exit_hooks`).
+
+    Why: a finished run's gloo worker thread can still be destroying a collective's work (tensors that hold Python
+    objects) when the interpreter finalizes, and the process aborts there ("terminate called without an active
+    exception", exit -6 / 134; pytorch/pytorch#190489). Destroying the group does not stop it under DeepSpeed: its
+    engine, optimizer and every parameter keep the group's worker threads alive. Without a process group, or with
+    ``LIT_SPEED_EXIT=interpreter``, it only releases the group and returns, and Python exits as usual.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()  # no rank leaves while another still writes its results
+    release_process_group()
+    record_exit_status(None)
+    if os.environ.get(EXIT_ENV) == "interpreter":
+        return
+    from lit_speed.compat.python import run_exit_hooks
+
+    run_exit_hooks()  # loggers' and the user's hooks, last registered first, as at a normal exit
+    exit_after_exit_hooks()
+
+
 def record_exit_status(error: BaseException | None) -> None:
     """The status the process will exit with, as Python gives it: 0 without ``error``, a ``SystemExit``'s code (None:
     0, an int: itself, anything else: 1, printed by Python), ``"sigint"`` for KeyboardInterrupt, else 1."""

@@ -556,3 +556,22 @@ def test_deepspeed_checkpoint_part_writers_follow_save_checkpoint() -> None:
     assert "state=self._common_checkpoint_state(module,zero_optimizer_state,save_frozen_param)" in model
     assert "ifself.save_non_zero_checkpoint:" in model
     assert f'tag="{ds_compat.zero_checkpoint_tag()}"' in _source(LightningDeepSpeed.save_checkpoint)
+
+
+def test_atexit_runs_and_clears_the_hooks_like_the_interpreters_exit() -> None:
+    # run_exit_hooks(): atexit._run_exitfuncs runs every hook once, last registered first, and clears them.
+    # In a process of its own: here it would run the test session's own exit hooks.
+    import subprocess
+    import sys
+
+    code = ("import atexit\n"
+            "from lit_speed.compat.python import run_exit_hooks\n"
+            "atexit.register(print, 'first')\n"
+            "atexit.register(print, 'second')\n"
+            "run_exit_hooks()\n"
+            "print('left', atexit._ncallbacks())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["second", "first", "left 0"]  # and nothing more at the real exit
+    assert done.stdout.count("first") == 1

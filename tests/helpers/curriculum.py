@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 from lit_speed.curriculum import CurriculumDataModule
 from lit_speed.curriculum.sampler import CurriculumSampler, epoch_permutation, shard_of_allowed
-from tests.helpers.process_end import end_helper_process
+from lit_speed.run.launch_env import end_distributed_process
 
 N, BS, PACE, STEPS = 64, 4, 6, 10
 
@@ -52,7 +52,7 @@ def main(out: Path) -> None:
               "allowed": {str(gb): s.order[: s.n_allowed(gb)].tolist() for gb in (0, PACE)},
               "sampler_kept": isinstance(trainer.train_dataloader.sampler, CurriculumSampler)}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
-    end_helper_process()  # barrier, process group destroyed, no interpreter finalization (process_end.py)
+    end_distributed_process()  # barrier, group released, exit hooks run, no interpreter finalization
 
 
 if __name__ == "__main__":

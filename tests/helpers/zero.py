@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, 
 
 from lit_speed.data.charlm import CharLMDataModule  # noqa: E402
 from lit_speed.models.gpt import GPTModule  # noqa: E402
+from lit_speed.run.launch_env import end_distributed_process  # noqa: E402
 from lit_speed.strategies.memory_estimate import measured_optimizer_state_bytes  # noqa: E402
-from tests.helpers.process_end import end_helper_process  # noqa: E402
 
 CORPUS_BYTES = 200_000
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
               "optimizer_state_bytes": measured_optimizer_state_bytes(trainer.optimizers[0]),
               "num_params": sum(p.numel() for p in model.parameters())}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-    end_helper_process()  # barrier, process group destroyed, no interpreter finalization (process_end.py)
+    end_distributed_process()  # barrier, group released, exit hooks run, no interpreter finalization
 
 
 if __name__ == "__main__":

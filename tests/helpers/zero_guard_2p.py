@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lit_speed.precision.guarded_precision import GuardedPrecision  # noqa: E402
+from lit_speed.run.launch_env import end_distributed_process  # noqa: E402
 from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402
-from tests.helpers.process_end import end_helper_process  # noqa: E402
 
 NAN_STEP, STEPS = 2, 5
 
@@ -69,7 +69,7 @@ def main() -> None:
         "changed": module.changed, "skipped": guard.counters.skipped_steps,
         "schedule_steps": module.scheduler.last_epoch,
         "weights": [p.detach().flatten().tolist() for p in module.parameters()]}))
-    end_helper_process()  # barrier, process group destroyed, no interpreter finalization (process_end.py)
+    end_distributed_process()  # barrier, group released, exit hooks run, no interpreter finalization
 
 
 if __name__ == "__main__":

@@ -68,3 +68,41 @@ def test_without_a_group_or_when_asked_the_interpreter_ends_the_run(group, env):
     done = _run("sys.exit(3)", group=group, port=29543 + group, env=env)
     assert done.returncode == 3, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["user hook", "finalized"]
+
+
+OWN_SCRIPT = """
+import atexit, os
+from lit_speed.run.launch_env import end_distributed_process
+atexit.register(lambda: os.write(1, b"imported hook\\n"))  # registered at import, before the run (logging's is)
+
+class Sentinel:
+    def __del__(self):
+        os.write(1, b"finalized\\n")
+
+SENTINEL = Sentinel()
+import torch, torch.distributed as dist
+if {group}:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.all_reduce(torch.ones(3))
+atexit.register(lambda: os.write(1, b"user hook\\n"))  # the script's own, registered during the run
+print("work done", flush=True)
+end_distributed_process()
+print("after the call")
+"""
+
+
+@pytest.mark.parametrize("group,env,lines,port", [
+    (True, None, ["work done", "user hook", "imported hook"], 29546),  # every hook, Python's order; no finalization
+    (True, {"LIT_SPEED_EXIT": "interpreter"}, ["work done", "after the call", "user hook", "imported hook",
+                                               "finalized"], 29547),
+    (False, None, ["work done", "after the call", "user hook", "imported hook", "finalized"], 0),
+])
+def test_a_script_of_ones_own_ends_through_end_distributed_process(group, env, lines, port):
+    """The call a script outside scripts/train.py makes last: with a group, every atexit hook runs (last registered
+    first) and the process ends 0 without finalization; without one, or when asked, Python's usual exit."""
+    code = OWN_SCRIPT.format(group=group, port=port)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == lines

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CUDA_AT_IMPORT_CPU_RUN = """
 import json
 from deepspeed.accelerator import get_accelerator
+from lit_speed.run.launch_env import end_distributed_process
 from lit_speed.strategies.zero_strategy import ZeroStrategy
 from tests.helpers.zero import make_run, make_trainer
 at_import = get_accelerator().device_name()
@@ -28,6 +29,7 @@ dm, model = make_run({cache!r})
 trainer = make_trainer(ZeroStrategy(stage=2), max_steps=2)
 trainer.fit(model, dm)
 print(json.dumps({{"at_import": at_import, "at_end": get_accelerator().device_name(), "losses": model.losses}}))
+end_distributed_process()  # a script's last call after a run with a group (gloo's abort at finalization)
 """
 
 # DeepSpeed imported with DS_ACCELERATOR=cpu (as tests/conftest.py and scripts do on CPU machines), then a
