@@ -131,6 +131,10 @@ SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
                                             [*LIT_LORA_NOVAL, "peft.base_dtype=bf16"]),
         "lora05/lit_speed_eager_bf16base_noval": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit",
                                                   [*LIT_LORA_EAGER_NOVAL, "peft.base_dtype=bf16"]),
+        # the same LoRA job on the Llama-3.2-1B dims folder (1.24B parameters, vocabulary 128,256). No full 1B rows:
+        # float32 weights, gradients and AdamW state alone are 19.8 GB, the Trainer's run does not fit 24 GiB
+        "lora1b/trainer": ("lora1b", "llama-3.2-1b", "lora", 8, "trainer", "speed"),
+        "lora1b/lit_speed_eager_noval": ("lora1b", "llama-3.2-1b", "lora", 8, "lit", LIT_LORA_EAGER_NOVAL),
         "full05/trainer": ("full05", "qwen2.5-0.5b", "full", 0, "trainer", "speed"),
         "full05/lit_speed": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL),
         "full05/lit_speed_noval": ("full05", "qwen2.5-0.5b", "full", 0, "lit", LIT_FULL_NOVAL),
