@@ -54,8 +54,32 @@ def release_process_group() -> None:
         _ENDING["had_group"] = True
 
 
+def release_process_group_at_exit() -> None:
+    """Have this process release its process group in an ``atexit`` hook (once), then collect garbage, while the
+    interpreter is still whole: for a DDP run in a process lit_speed does not end itself (a ``ddp_spawn`` worker,
+    another script), so that the group's gloo worker threads are joined before the interpreter finalizes.
+
+    Once Lightning has unwrapped DDP at teardown, nothing else holds the group: destroying it (plus the collection
+    of DDP's reference cycles) runs its destructor, which joins the worker threads, so none is left to take the GIL
+    in the finalization (the abort of pytorch/pytorch#190489; a Python comm hook's future is such work). DeepSpeed's
+    engine, optimizer and parameters keep their group alive: a ZeRO run ends through
+    :func:`end_distributed_process` instead.
+    """
+    if _ENDING.get("release_registered"):
+        return
+    import atexit
+    import gc
+
+    def _release() -> None:
+        release_process_group()
+        gc.collect()
+
+    atexit.register(_release)
+    _ENDING["release_registered"] = True
+
+
 #: What :func:`exit_after_exit_hooks` needs at exit: whether a process group existed, and the exit status.
-_ENDING: dict[str, Any] = {"had_group": False, "status": None}
+_ENDING: dict[str, Any] = {"had_group": False, "status": None, "release_registered": False}
 #: Set to ``interpreter`` to end every run through the interpreter's own finalization (see exit_after_exit_hooks).
 EXIT_ENV = "LIT_SPEED_EXIT"
 

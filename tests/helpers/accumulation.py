@@ -114,7 +114,10 @@ def fit(module: pl.LightningModule, loader: Any, callbacks: list[Callback] | Non
     kwargs = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, max_epochs=1)
     kwargs.update(trainer_kwargs)
-    trainer = pl.Trainer(callbacks=callbacks or [], **kwargs)
+    callbacks = list(callbacks or [])
+    if kwargs.get("devices", 1) != 1:  # spawned workers end by Python's finalization: release the group before it
+        callbacks.append(ReleaseGroupAtExit())
+    trainer = pl.Trainer(callbacks=callbacks, **kwargs)
     trainer.fit(module, loader, datamodule=datamodule, ckpt_path=ckpt_path)
     return trainer
 
@@ -188,6 +191,16 @@ class ShardedDataModule(pl.LightningDataModule):
         sampler = DistributedSampler(self.dataset, num_replicas=self.trainer.world_size,
                                      rank=self.trainer.global_rank, shuffle=False)
         return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler)
+
+
+class ReleaseGroupAtExit(Callback):
+    """In each spawned worker: the process group released (and DDP's cycles collected) by an atexit hook, so no gloo
+    worker thread is left when the interpreter finalizes (``launch_env.release_process_group_at_exit``)."""
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        from lit_speed.run.launch_env import release_process_group_at_exit
+
+        release_process_group_at_exit()
 
 
 class SyncCounter(Callback):

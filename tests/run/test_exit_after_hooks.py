@@ -106,3 +106,38 @@ def test_a_script_of_ones_own_ends_through_end_distributed_process(group, env, l
                           env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == lines
+
+
+SPAWNED_WORKER = """
+import atexit, os, torch, torch.distributed as dist
+from lit_speed.run.launch_env import release_process_group_at_exit
+
+def gloo_threads():
+    names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return sorted(n for n in names if "gloo" in n)
+
+atexit.register(lambda: print("at finalization:", gloo_threads()))  # registered first: runs after the others
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+dist.init_process_group("gloo", rank=0, world_size=1)
+# a Python callback on the future, as DDP's comm hooks have; the Work itself not kept (DDP keeps none either)
+dist.all_reduce(torch.ones(3), async_op=True).get_future().then(lambda fut: fut.value()).wait()
+print("running:", len(gloo_threads()) > 0)
+if {release}:
+    release_process_group_at_exit()
+    release_process_group_at_exit()  # once is enough; twice registers one hook
+"""
+
+
+@pytest.mark.parametrize("release,port", [(True, 29548), (False, 29549)])
+def test_release_at_exit_leaves_no_gloo_thread_to_the_finalization(release, port):
+    """A process lit_speed does not end itself (a ddp_spawn worker): the atexit hook destroys the group while the
+    interpreter is whole, and its worker threads are joined before the finalization; without it they are left."""
+    done = subprocess.run([sys.executable, "-c", SPAWNED_WORKER.format(port=port, release=release)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "running: True"
+    if release:
+        assert lines[1:] == ["at finalization: []"]
+    else:
+        assert lines[1].startswith("at finalization: [") and "gloo" in lines[1]
