@@ -65,7 +65,7 @@ def release_process_group_at_exit() -> None:
     engine, optimizer and parameters keep their group alive: a ZeRO run ends through
     :func:`end_distributed_process` instead.
     """
-    if _ENDING.get("release_registered"):
+    if _ENDING["release_registered"]:
         return
     import atexit
     import gc
@@ -78,7 +78,8 @@ def release_process_group_at_exit() -> None:
     _ENDING["release_registered"] = True
 
 
-#: What :func:`exit_after_exit_hooks` needs at exit: whether a process group existed, and the exit status.
+#: How this process ends: whether a process group existed and the exit status (what :func:`exit_after_exit_hooks`
+#: needs), and whether :func:`release_process_group_at_exit` has registered its hook.
 _ENDING: dict[str, Any] = {"had_group": False, "status": None, "release_registered": False}
 #: Set to ``interpreter`` to end every run through the interpreter's own finalization (see exit_after_exit_hooks).
 EXIT_ENV = "LIT_SPEED_EXIT"

@@ -37,10 +37,14 @@ launch_env.run_and_release(main)  # as scripts/train.py runs its Hydra main
 """
 
 
-def _run(body: str, group: bool, port: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    code = SCRIPT.format(group=group, port=port, body=body)
+def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``code`` in a Python process of its own, from the repository root."""
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
+
+
+def _run(body: str, group: bool, port: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return _python(SCRIPT.format(group=group, port=port, body=body), env)
 
 
 @pytest.mark.parametrize("body,status,printed", [
@@ -101,9 +105,7 @@ print("after the call")
 def test_a_script_of_ones_own_ends_through_end_distributed_process(group, env, lines, port):
     """The call a script outside scripts/train.py makes last: with a group, every atexit hook runs (last registered
     first) and the process ends 0 without finalization; without one, or when asked, Python's usual exit."""
-    code = OWN_SCRIPT.format(group=group, port=port)
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    done = _python(OWN_SCRIPT.format(group=group, port=port), env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == lines
 
@@ -132,8 +134,7 @@ if {release}:
 def test_release_at_exit_leaves_no_gloo_thread_to_the_finalization(release, port):
     """A process lit_speed does not end itself (a ddp_spawn worker): the atexit hook destroys the group while the
     interpreter is whole, and its worker threads are joined before the finalization; without it they are left."""
-    done = subprocess.run([sys.executable, "-c", SPAWNED_WORKER.format(port=port, release=release)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = _python(SPAWNED_WORKER.format(port=port, release=release))
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[0] == "running: True"
