@@ -39,6 +39,8 @@ through the public names of ``lit_speed/__init__.py`` or one of these shared mod
   loss scaling, what DeepSpeed runs it as): every component asks it instead of spelling a mode.
 * ``lit_speed.memory.model_state`` - the one calculator of model-state bytes (parameters, gradients, optimizer
   state) per mode, optimizer, ZeRO stage and world size.
+* ``lit_speed.memory.host_memory`` - the one reading of the host memory a process can use (the smaller of its
+  cgroup's limit and the machine's memory): the fit check, the planner, the verdict and the start-up table ask it.
 """
 from __future__ import annotations
 

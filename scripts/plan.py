@@ -55,6 +55,7 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from lit_speed.memory.host_memory import host_memory
     from lit_speed.memory.rss_estimate import gib
     from lit_speed.run import fit_check, fit_check_gpu
 
@@ -62,7 +63,7 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
     configured = fit_check.configured_levers(cfg)
     device = fit_check_gpu.gpu_to_judge(cfg)
     gpu = fit_check_gpu.trains_on_gpu(cfg)
-    ram = process + psutil.virtual_memory().available
+    ram = process + host_memory().available
     if gpu:
         gpu_budget = budget if budget is not None else (
             torch.cuda.mem_get_info(device)[0] if device is not None and torch.cuda.is_available() else None)

@@ -37,6 +37,7 @@ SHARED_MODULES = (
     "lit_speed.tuning",       # choices timed on this machine (optimizer kernels, Muon dtype, ...), cached per machine
     "lit_speed.precision.modes",  # the precision-mode table: one ModeSpec per mode, asked instead of literals
     "lit_speed.memory.model_state",  # the one model-state memory calculator (planner and ZeroStrategy)
+    "lit_speed.memory.host_memory",  # the one reading of the host memory a process can use (cgroup limit, MemTotal)
 )
 
 #: The top floor: the Hydra runner, which composes every component (it may import any); no other module imports it.

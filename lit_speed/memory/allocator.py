@@ -186,9 +186,9 @@ class KeepFreedMemory(Callback):
     def _check(self, trainer: "pl.Trainer") -> None:
         if not self.applied or self.released_at_step is not None:
             return
-        import psutil
+        from lit_speed.memory.host_memory import host_memory
 
-        memory = psutil.virtual_memory()
+        memory = host_memory()
         if memory.available >= self.min_available_fraction * memory.total:
             return
         stop_keeping_freed_memory()

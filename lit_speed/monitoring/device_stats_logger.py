@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_speed.compat.torch import cpu_has_native_bf16
+from lit_speed.memory.host_memory import host_memory
 from lit_speed.monitoring.diagnosis import RunStats, diagnose, format_compute, verdict_rows
 from lit_speed.monitoring.flops import FlopCount, contains_compiled, gpu_peak_flops, measure_cpu_peak_flops
 from lit_speed.monitoring.samplers import HostStats, NvmlSampler, batch_size_and_tokens, summarize_gpu_samples
@@ -299,8 +300,10 @@ class DeviceStatsLogger(Callback):
         flops_per_sec = self.flops_per_batch * self._total.batches / total if self.flops_per_batch and total else None
         if device.type == "cuda":
             capacity = float(torch.cuda.get_device_properties(device).total_memory)
-        else:
-            capacity = self._memory_peak + self._min_available if self._min_available is not None else None
+        else:  # what the peak could have grown to: never more than the host memory this process may use
+            total = float(host_memory().total)
+            capacity = min(self._memory_peak + self._min_available, total) if self._min_available is not None \
+                else total
         stats = RunStats(
             data_wait_s=self._total.data_wait_s, forward_backward_s=self._total.forward_backward_s,
             optimizer_s=self._total.optimizer_s, batches=self._total.batches, device=device.type,

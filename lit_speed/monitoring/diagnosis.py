@@ -40,7 +40,8 @@ class RunStats:
         flops_per_sec: Achieved FLOP/s.
         gpu_util_pct: Mean NVML GPU utilisation.
         memory_peak_bytes: Peak memory of this process on its device (GPU reserved, or host RSS).
-        memory_capacity_bytes: What that peak could have grown to (GPU total, or RSS + available RAM).
+        memory_capacity_bytes: What that peak could have grown to (GPU total, or the smaller of peak RSS +
+            available RAM and the host memory this process may use: ``lit_speed.memory.host_memory``).
         samples_per_sec: Training samples per second.
         tokens_per_sec: Training tokens per second (None when batches are not token arrays).
         activation_checkpointing: Whether the run recomputes activations (None: unknown); the memory advice

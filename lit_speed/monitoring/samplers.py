@@ -16,6 +16,8 @@ from typing import Any
 import psutil
 import torch
 
+from lit_speed.memory.host_memory import host_memory
+
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
@@ -38,7 +40,8 @@ def batch_size_and_tokens(batch: Any) -> tuple[int, int]:
 
 
 class HostStats:
-    """Reads this process's memory and CPU use and the system's available memory.
+    """Reads this process's memory and CPU use and the host memory it can still get (cgroup-aware:
+    :func:`~lit_speed.memory.host_memory.host_memory`).
 
     ``cpu_util_pct`` is the process's CPU time since the previous read over wall time, summed over
     cores (100 = one core fully busy), as :meth:`psutil.Process.cpu_percent` defines it.
@@ -56,7 +59,7 @@ class HostStats:
             # disagree by a few pages; a peak is never below the current value
             "stats/cpu_rss_peak_bytes": float(max(rss, peak_rss_bytes())),
             "stats/cpu_util_pct": float(self._process.cpu_percent(None)),
-            "stats/sys_mem_available_bytes": float(psutil.virtual_memory().available),
+            "stats/sys_mem_available_bytes": float(host_memory().available),
         }
 
 

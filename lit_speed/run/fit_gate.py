@@ -22,12 +22,13 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None, gpu_f
     tests)."""
     import psutil
 
+    from lit_speed.memory.host_memory import host_memory
     from lit_speed.memory.rss_estimate import gib
 
     if fit_check.hf_folder(cfg) is None:
         return
     process = psutil.Process().memory_info().rss
-    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    available = host_memory().available if available_bytes is None else available_bytes
     budget = process + available
     configured = fit_check.configured_levers(cfg)
     # the meta-device model and the optimizer, built once

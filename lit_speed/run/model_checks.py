@@ -31,9 +31,9 @@ def check_activation_memory(cfg: DictConfig, available_bytes: int | None = None,
     if not isinstance(block, int) or not isinstance(batch, int) or block <= max(probe_lengths):
         return
     if available_bytes is None:
-        import psutil
+        from lit_speed.memory.host_memory import host_memory
 
-        available_bytes = psutil.virtual_memory().available
+        available_bytes = host_memory().available
     small = hydra.utils.instantiate(model_cfg, block_size=max(probe_lengths), optimizer=None, scheduler=None)
     per_token = []
     for length in probe_lengths:

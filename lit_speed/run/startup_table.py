@@ -1,6 +1,6 @@
 """The start-up table's rows that the runner computes itself (the components' own rows come through the run
 contract's ``describe()``): the effective batch and where an accumulation schedule takes it, what
-``val_check_interval`` counts, the optimizer."""
+``val_check_interval`` counts, the optimizer, the host memory the run may use."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig
 
+from lit_speed.memory.host_memory import describe as describe_host_memory
+from lit_speed.memory.host_memory import host_memory
 from lit_speed.run.plan_check import largest_accumulation_factor
 from lit_speed.run_contract import (
     AccumulationPlan,
@@ -80,6 +82,7 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
             f" ({n_trainable:,} trainable, {n_params - n_trainable:,} frozen)" if n_trainable != n_params else ""),
         "optimizer": optimizer_row(parts["optimizer"]),
         "threads": f"{torch.get_num_threads()} intra-op (torch)",
+        "host memory": describe_host_memory(host_memory()),  # the cgroup's limit where it is below the machine's
         "monitor": f"{cfg.monitor} ({cfg.monitor_mode})" if cfg.monitor is not None else
                    "none named: chosen at the first validation from the metrics it logs (a val loss first)",
         "validation": validation_row(trainer, largest_factor),  # a cadence callback's own row replaces it
