@@ -13,10 +13,16 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lit_speed.compat.torch import cpu_has_native_bf16
 from lit_speed.memory.host_memory import host_memory
 from lit_speed.monitoring.diagnosis import RunStats, diagnose, format_compute, verdict_rows
-from lit_speed.monitoring.flops import FlopCount, contains_compiled, gpu_peak_flops, measure_cpu_peak_flops
+from lit_speed.monitoring.flops import (
+    FlopCount,
+    contains_compiled,
+    device_peak_flops,
+    low_precision_share,
+    model_flops_utilization,
+    step_peak_flops,
+)
 from lit_speed.monitoring.samplers import HostStats, NvmlSampler, batch_size_and_tokens, summarize_gpu_samples
 from lit_speed.monitoring.step_timer import StepTimer, TimeSplit
 from lit_speed.precision.modes import compute_dtype
@@ -65,7 +71,7 @@ def interval_metrics(split: TimeSplit, samples: int, tokens: int, flops_per_batc
         flops_per_sec = flops_per_batch * split.batches / total
         metrics["perf/tflops_per_sec"] = flops_per_sec / 1e12
         if peak_flops:
-            metrics["perf/mfu"] = flops_per_sec / peak_flops
+            metrics["perf/mfu"] = model_flops_utilization(flops_per_sec, peak_flops)
     return metrics
 
 
@@ -82,7 +88,9 @@ class DeviceStatsLogger(Callback):
     Args:
         interval: Optimizer steps between logs; ``None`` follows ``Trainer(log_every_n_steps=...)``.
         measure_flops: Count FLOPs of the first batch (a module attribute ``flops_per_batch`` wins if present).
-        peak_flops: Device peak FLOP/s for MFU; ``None`` = datasheet table on GPU, a short matmul probe on CPU.
+        peak_flops: Device peak FLOP/s for MFU; ``None`` = the peak of the step's FLOPs in the dtypes their matmuls
+            ran in (:func:`~lit_speed.monitoring.flops.step_peak_flops`: datasheet table on GPU, a short matmul
+            probe on CPU).
         gpu_sample_every_s: NVML polling period on GPU; ``None`` = no NVML (torch.cuda memory only).
         dirpath: Folder of ``bottleneck.json``; ``None`` = ``trainer.default_root_dir``.
         verbose: Print the verdict table at the end of training (rank zero).
@@ -118,6 +126,8 @@ class DeviceStatsLogger(Callback):
     def _reset_run(self) -> None:
         # a checkpoint restore (after setup) brings back the run totals and the FLOP count
         self.flops_per_batch: float | None = None
+        self.flops_by_dtype: dict[torch.dtype, float] = {}  # the counted batch's FLOPs by matmul dtype
+        self._fallback_dtype = torch.float32  # the precision's compute dtype, for FLOPs that were not counted
         self._total = TimeSplit()
         self._total_samples = self._total_tokens = 0
         self._timer = StepTimer()
@@ -159,27 +169,13 @@ class DeviceStatsLogger(Callback):
         return NvmlSampler(device.index or 0, every_s) if device.type == "cuda" else None
 
     def _resolve_peak(self, trainer: "pl.Trainer") -> None:
+        """The peak MFU divides by: the counted step's FLOP mix at each dtype's peak, else the precision's dtype."""
         if self._peak is not None or self._peak_resolved:
             return
         self._peak_resolved = True
         device = trainer.strategy.root_device
-        dtype = compute_dtype(getattr(trainer.precision_plugin, "precision", trainer.precision))
-        if device.type == "cuda":
-            tf32 = torch.get_float32_matmul_precision() != "highest"
-            name = torch.cuda.get_device_name(device)
-            self._peak = gpu_peak_flops(name, dtype, tf32)
-            self._peak_source = f"datasheet {name} {dtype}" if self._peak else f"{name} not in the table"
-        elif device.type == "cpu":
-            self._peak = measure_cpu_peak_flops(dtype)
-            self._peak_source = f"{dtype} matmul probe, {torch.get_num_threads()} threads"
-            if dtype != torch.float32 and not cpu_has_native_bf16():
-                # no bf16/fp16 matmul units: the kernels convert and multiply in float32 (small shapes at float32
-                # speed, large ones far slower), so the hardware's peak is the float32 one when that is higher
-                fp32 = measure_cpu_peak_flops(torch.float32)
-                if fp32 > self._peak:
-                    self._peak = fp32
-                    self._peak_source = (f"torch.float32 matmul probe, {torch.get_num_threads()} threads (this CPU "
-                                         f"has no {dtype} matmul units; its float32 peak is higher)")
+        mix = self.flops_by_dtype or {self._fallback_dtype: 1.0}
+        self._peak, self._peak_source = step_peak_flops(mix, lambda dtype: device_peak_flops(device, dtype))
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -196,9 +192,9 @@ class DeviceStatsLogger(Callback):
         if not self._warmup:
             self._timer.mark("batch_start")
             return
-        # the peak of the dtype the step runs in: precision=auto (and threads=auto) decide on the first batch,
-        # before this hook
-        self._resolve_peak(trainer)
+        # the dtype the step runs in where FLOPs are not counted: precision=auto (and threads=auto) decide on the
+        # first batch, before this hook; the peak itself is resolved at the end of this batch, from the counted mix
+        self._fallback_dtype = compute_dtype(getattr(trainer.precision_plugin, "precision", trainer.precision))
         if self.flops_per_batch is None and getattr(pl_module, "flops_per_batch", None):
             self.flops_per_batch = float(pl_module.flops_per_batch)
         if self.measure_flops and self.flops_per_batch is None and contains_compiled(pl_module):
@@ -213,6 +209,7 @@ class DeviceStatsLogger(Callback):
 
     def _stop_counting(self) -> None:
         self.flops_per_batch = float(self._flops.stop()) or None
+        self.flops_by_dtype = {dtype: float(n) for dtype, n in self._flops.by_dtype.items()}
         if self._flops.error:
             rank_zero_warn(f"DeviceStatsLogger: FLOP counting failed ({self._flops.error}); perf/mfu will not be "
                            "logged. Fix: set `flops_per_batch` on the LightningModule, or measure_flops=False "
@@ -232,6 +229,7 @@ class DeviceStatsLogger(Callback):
         if self._flops.active:  # a batch that only accumulated gradients
             self._stop_counting()
         if self._warmup:
+            self._resolve_peak(trainer)  # the probe runs here, in the untimed warm-up batch
             self._warmup = False
             self._timer.reset()
         else:
@@ -298,6 +296,9 @@ class DeviceStatsLogger(Callback):
         device = trainer.strategy.root_device
         total = self._total.total_s
         flops_per_sec = self.flops_per_batch * self._total.batches / total if self.flops_per_batch and total else None
+        if flops_per_sec and self._peak and flops_per_sec > self._peak and "MFU reads 100%" not in self._peak_source:
+            self._peak_source += (f"; this run's {flops_per_sec / 1e9:.3g} GFLOP/s is above it (the probe measured "
+                                  "low), so MFU reads 100%")
         if device.type == "cuda":
             capacity = float(torch.cuda.get_device_properties(device).total_memory)
         else:  # what the peak could have grown to: never more than the host memory this process may use
@@ -307,18 +308,19 @@ class DeviceStatsLogger(Callback):
         stats = RunStats(
             data_wait_s=self._total.data_wait_s, forward_backward_s=self._total.forward_backward_s,
             optimizer_s=self._total.optimizer_s, batches=self._total.batches, device=device.type,
-            mfu=flops_per_sec / self._peak if flops_per_sec and self._peak else None, flops_per_sec=flops_per_sec,
+            mfu=model_flops_utilization(flops_per_sec, self._peak), flops_per_sec=flops_per_sec,
             gpu_util_pct=sum(self._gpu_util) / len(self._gpu_util) if self._gpu_util else None,
             memory_peak_bytes=self._memory_peak or None, memory_capacity_bytes=capacity,
             samples_per_sec=self._total_samples / total if total else None,
             tokens_per_sec=self._total_tokens / total if total and self._total_tokens else None,
-            activation_checkpointing=self._checkpointing)
+            activation_checkpointing=self._checkpointing, low_precision_frac=low_precision_share(self.flops_by_dtype))
         self.result = diagnose(stats)
         per_rank = [self._own_memory_peak]
         if trainer.world_size > 1:
             own = torch.tensor([self._own_memory_peak], dtype=torch.float64, device=device)
             per_rank = trainer.strategy.all_gather(own).flatten().tolist()
-        self.result.update({"flops_per_batch": self.flops_per_batch, "peak_flops": self._peak,
+        self.result.update({"flops_per_batch": self.flops_per_batch, "flops_by_dtype": _by_name(self.flops_by_dtype),
+                            "peak_flops": self._peak,
                             "peak_flops_source": self._peak_source, "world_size": trainer.world_size,
                             "per_rank_memory_peak_bytes": per_rank})
         self._stop_sampler()
@@ -363,7 +365,7 @@ class DeviceStatsLogger(Callback):
     def state_dict(self) -> dict[str, Any]:
         # the verdict covers the whole run, so its time split and counts survive a resume
         return {"total": asdict(self._total), "samples": self._total_samples, "tokens": self._total_tokens,
-                "flops_per_batch": self.flops_per_batch}
+                "flops_per_batch": self.flops_per_batch, "flops_by_dtype": _by_name(self.flops_by_dtype)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -371,3 +373,11 @@ class DeviceStatsLogger(Callback):
         self._total_samples = state_dict.get("samples", 0)
         self._total_tokens = state_dict.get("tokens", 0)
         self.flops_per_batch = state_dict.get("flops_per_batch", self.flops_per_batch)
+        by_name = state_dict.get("flops_by_dtype") or {}
+        self.flops_by_dtype = {getattr(torch, name): float(n) for name, n in by_name.items()
+                               if isinstance(getattr(torch, name, None), torch.dtype)} or self.flops_by_dtype
+
+
+def _by_name(flops_by_dtype: dict[torch.dtype, float]) -> dict[str, float]:
+    """``{"bfloat16": n, ...}``: the FLOP mix in JSON and in checkpoints."""
+    return {str(dtype).removeprefix("torch."): n for dtype, n in flops_by_dtype.items()}

@@ -46,6 +46,8 @@ class RunStats:
         tokens_per_sec: Training tokens per second (None when batches are not token arrays).
         activation_checkpointing: Whether the run recomputes activations (None: unknown); the memory advice
             suggests turning it off only when it is on, and on only when it is off.
+        low_precision_frac: Share of the counted FLOPs whose matmuls ran in bf16 or fp16 (None: unknown); the
+            compute advice does not suggest cheaper arithmetic to a run whose FLOPs mostly use it already.
     """
 
     data_wait_s: float
@@ -61,6 +63,11 @@ class RunStats:
     samples_per_sec: float | None = None
     tokens_per_sec: float | None = None
     activation_checkpointing: bool | None = None
+    low_precision_frac: float | None = None
+
+
+#: At or above this share of FLOPs in bf16/fp16, a run already uses cheaper arithmetic.
+MOSTLY_LOW_PRECISION = 0.5
 
 
 def _pct(frac: float) -> str:
@@ -104,6 +111,10 @@ def _device_finding(stats: RunStats, fracs: dict[str, float]) -> dict[str, Any]:
     if stats.mfu is not None and stats.mfu < LOW_MFU:
         advice = ("the matmuls run well below the device peak: a larger micro-batch (data.batch_size) makes them "
                   "bigger, and torch.compile fuses the small element-wise operators between them")
+    elif stats.low_precision_frac is not None and stats.low_precision_frac >= MOSTLY_LOW_PRECISION:
+        advice = (f"the arithmetic units are busy and {_pct(stats.low_precision_frac)} of the FLOPs already run in "
+                  "bf16/fp16: speed now comes from fewer FLOPs per unit of quality (a smaller model, fewer trainable "
+                  "layers, a curriculum, fewer steps) or from more devices")
     else:
         advice = ("the arithmetic units are busy: speed now comes from cheaper arithmetic (bf16-mixed, only where "
                   "the device has bf16 matmul units) or from fewer FLOPs per unit of quality (a smaller model, "

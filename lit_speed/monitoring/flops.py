@@ -10,17 +10,22 @@
   the CPU has no datasheet number we could look up, and its real peak depends on the ISA
   (AVX2, AVX512, AMX) and on the thread count.
 - :func:`gpu_peak_flops` looks the GPU's name up in a table of dense datasheet peaks.
+- :func:`step_peak_flops` is the one source of MFU's peak: the step's counted FLOPs by the dtype their matmuls ran
+  in (a bf16 base, bf16 autocast, float32 adapters: the mix the step really has), each at that dtype's peak on the
+  device; :func:`model_flops_utilization` divides by it, never above 1.
 """
 from __future__ import annotations
 
 import functools
 import time
+from typing import Callable, Mapping
 
 import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import flop_registry
 
 from lit_speed.compat import torch as torch_compat
+from lit_speed.compat.torch import cpu_has_native_bf16
 
 # Dense (no sparsity) peak FLOP/s from NVIDIA datasheets, the same sources Lightning 2.6.6 cites in
 # lightning/fabric/utilities/throughput.py. Matched in order by substrings of the lower-case device name,
@@ -99,6 +104,79 @@ def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024,
     return _cached_cpu_peak(dtype, torch.get_num_threads(), size, seconds)
 
 
+def cpu_peak_flops(dtype: torch.dtype) -> tuple[float, str]:
+    """The CPU's peak for matmuls in ``dtype`` and where it comes from. A 16-bit dtype on a CPU without bf16 matmul
+    units runs through float32 kernels (converted: small shapes at float32 speed, large ones far slower), so its
+    peak is the float32 one (and its slow probe is not run)."""
+    threads = torch.get_num_threads()
+    if dtype != torch.float32 and not cpu_has_native_bf16():
+        return measure_cpu_peak_flops(torch.float32), (f"torch.float32 matmul probe, {threads} threads (this CPU has no "
+                                                       f"{dtype} matmul units; its float32 peak is higher)")
+    return measure_cpu_peak_flops(dtype), f"{dtype} matmul probe, {threads} threads"
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """The peak FLOP/s of matmuls in ``dtype`` on ``device`` (datasheet on a GPU, a probe on the CPU), and its
+    source; ``None`` where it is not known."""
+    if device.type == "cuda":
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_flops(name, dtype, tf32)
+        return peak, f"datasheet {name} {dtype}" if peak else f"{name} not in the table"
+    if device.type == "cpu":
+        return cpu_peak_flops(dtype)
+    return None, f"no peak known for {device.type} devices"
+
+
+def step_peak_flops(flops_by_dtype: Mapping[torch.dtype, float],
+                    peak_of: Callable[[torch.dtype], tuple[float | None, str]]) -> tuple[float | None, str]:
+    """The peak of a step whose FLOPs run in several dtypes: the rate at which the device would do exactly that mix,
+    each dtype's FLOPs at that dtype's peak (``total / sum(flops_d / peak_d)``), and its source.
+
+    Args:
+        flops_by_dtype: The step's FLOPs by the dtype their matmuls ran in (:attr:`FlopCount.by_dtype`).
+        peak_of: ``dtype -> (peak FLOP/s or None, source)``, e.g. ``lambda d: device_peak_flops(device, d)``.
+
+    Example::
+
+        step_peak_flops({torch.bfloat16: 9e9, torch.float32: 1e9}, {torch.bfloat16: (4e11, "bf16"),
+                                                                    torch.float32: (2e11, "fp32")}.get)[0]
+        # 3.64e11: 10e9 FLOPs in 9e9/4e11 + 1e9/2e11 = 0.0275 s
+    """
+    counted = sorted(((d, float(f)) for d, f in flops_by_dtype.items() if f > 0), key=lambda kv: -kv[1])
+    if not counted:
+        return None, "no FLOPs counted"
+    total, seconds, sources = sum(f for _, f in counted), 0.0, []
+    for dtype, flops in counted:
+        peak, source = peak_of(dtype)
+        if not peak:
+            return None, source
+        seconds += flops / peak
+        sources.append(source)
+    if len(sources) == 1:
+        return total / seconds, sources[0]
+    return total / seconds, "the step's FLOP mix: " + ", ".join(
+        f"{100 * flops / total:.0f}% {dtype} ({source})" for (dtype, flops), source in zip(counted, sources))
+
+
+def model_flops_utilization(flops_per_sec: float | None, peak_flops: float | None) -> float | None:
+    """Achieved FLOP/s over the peak, at most 1 (a run above the peak means the peak was measured low: a small
+    probe, a loaded machine); ``None`` when either is unknown."""
+    if not flops_per_sec or not peak_flops:
+        return None
+    return min(flops_per_sec / peak_flops, 1.0)
+
+
+#: dtypes whose matmuls already run at reduced precision (the verdict does not advise them again)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def low_precision_share(flops_by_dtype: Mapping[torch.dtype, float]) -> float | None:
+    """The share of the counted FLOPs that ran in bf16 or fp16 (``None`` when nothing was counted)."""
+    total = sum(flops_by_dtype.values())
+    return sum(f for d, f in flops_by_dtype.items() if d in LOW_PRECISION) / total if total else None
+
+
 def contains_compiled(module: torch.nn.Module) -> bool:
     """Whether any part of ``module`` is ``torch.compile``-d (wrapped, or compiled in place).
 
@@ -158,13 +236,23 @@ def op_flops(func, args: tuple, kwargs: dict, out) -> int:  # noqa: ANN001 - an 
         return int(formula(*widened, **kwargs, out_val=out))
 
 
+def op_dtype(args: tuple, out: object) -> torch.dtype:
+    """The dtype an op's matmul ran in: its first floating-point matrix argument's (``addmm``'s bias is skipped;
+    under autocast the arguments are already cast), else its output's."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.is_floating_point() and arg.dim() >= 2:
+            return arg.dtype
+    return out.dtype if isinstance(out, torch.Tensor) else torch.float32
+
+
 class _CountFlops(torch_compat.TorchDispatchMode):
-    """Adds ``torch.utils.flop_counter``'s formula of every op that has one; keeps no reference to any tensor. A
-    formula that fails stops the count (``error``: the op and why), never the step."""
+    """Adds ``torch.utils.flop_counter``'s formula of every op that has one, by the dtype it ran in; keeps no
+    reference to any tensor. A formula that fails stops the count (``error``: the op and why), never the step."""
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+        self.by_dtype: dict[torch.dtype, int] = {}
         self.error: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
@@ -172,7 +260,11 @@ class _CountFlops(torch_compat.TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.error is None:
             try:
-                self.total += op_flops(func, args, kwargs, out)
+                flops = op_flops(func, args, kwargs, out)
+                if flops:
+                    self.total += flops
+                    dtype = op_dtype(args, out)
+                    self.by_dtype[dtype] = self.by_dtype.get(dtype, 0) + flops
             except Exception as error:  # noqa: BLE001 - a FLOP formula must never fail the training step
                 self.error = f"{func.overloadpacket}: {type(error).__name__}: {error}"
         return out
@@ -190,6 +282,7 @@ class FlopCount:
     def __init__(self) -> None:
         self._mode: _CountFlops | None = None
         self.error: str | None = None  # why the last count failed (then :meth:`stop` returned 0)
+        self.by_dtype: dict[torch.dtype, int] = {}  # the last count by the dtype each op ran in
 
     @property
     def active(self) -> bool:
@@ -206,4 +299,5 @@ class FlopCount:
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
         self.error = mode.error
+        self.by_dtype = {} if mode.error else dict(mode.by_dtype)
         return 0 if mode.error else mode.total

@@ -300,11 +300,11 @@ def test_mfu_divides_by_the_peak_of_the_mode_precision_auto_chose_on_the_first_b
 
     monkeypatch.setattr("lit_speed.precision.guarded_precision.cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr("lit_speed.precision.guarded_precision.measure_slowdown", lambda dtype: 1.0)  # any CPU
-    monkeypatch.setattr("lit_speed.monitoring.device_stats_logger.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("lit_speed.monitoring.flops.cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr("lit_speed.precision.guarded_precision.auto_mode_for",
                         lambda *a, **k: ("bf16-mixed", "stand-in timing"))
     probed = []
-    monkeypatch.setattr("lit_speed.monitoring.device_stats_logger.measure_cpu_peak_flops",
+    monkeypatch.setattr("lit_speed.monitoring.flops.measure_cpu_peak_flops",
                         lambda dtype: probed.append(dtype) or 1e11)
     stats = DeviceStatsLogger(interval=2)
     fit(tmp_path, Regression(16, 2), Batches(4, 8, 16), 4, stats, plugins=[GuardedPrecision("auto")])
@@ -315,9 +315,9 @@ def test_on_a_cpu_without_bf16_units_mfu_divides_by_the_higher_float32_peak(tmp_
     # bf16 kernels there convert to float32: a tiny model's step outruns a large bf16 matmul (MFU > 1 on a Zen3)
     from lit_speed import GuardedPrecision
 
-    monkeypatch.setattr("lit_speed.monitoring.device_stats_logger.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("lit_speed.monitoring.flops.cpu_has_native_bf16", lambda: False)
     peaks = {torch.bfloat16: 1e9, torch.float32: 5e10}
-    monkeypatch.setattr("lit_speed.monitoring.device_stats_logger.measure_cpu_peak_flops", lambda dtype: peaks[dtype])
+    monkeypatch.setattr("lit_speed.monitoring.flops.measure_cpu_peak_flops", lambda dtype: peaks[dtype])
     stats = DeviceStatsLogger(interval=2)
     with warnings.catch_warnings():  # bf16-mixed on a CPU that is slow at it is warned about (this one may not be)
         warnings.simplefilter("ignore")
