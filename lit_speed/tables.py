@@ -16,6 +16,14 @@ def format_table(title: str, rows: dict[str, str]) -> Table:
     return table
 
 
+def format_rate(value: float | None, unit: str) -> str:
+    """A throughput with the digits that mean something: ``"12,346 samples/s"``, ``"19.7 tokens/s"``,
+    ``"0.0523 samples/s"`` (three significant digits below 100, never ``"0 samples/s"`` for a rate that is not 0)."""
+    if value is None:
+        return f"n/a {unit}"
+    return f"{value:,.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
+
+
 @rank_zero_only
 def print_table(title: str, rows: dict[str, str]) -> None:
     Console(soft_wrap=True).print(format_table(title, rows))

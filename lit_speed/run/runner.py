@@ -14,11 +14,13 @@ from typing import Any, Sequence
 
 import hydra
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, stop_signal_received, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
+from lit_speed.monitoring.step_progress_bar import StepProgressBar
 from lit_speed.reporting.fixed_validation import process_start_time
 from lit_speed.run.config_error import RunStopped
 from lit_speed.run.config_rules import check_config
@@ -40,7 +42,7 @@ from lit_speed.run_contract import (
     SummaryReport,
     WorkloadReport,
 )
-from lit_speed.tables import print_table
+from lit_speed.tables import format_rate, print_table
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         if dropped:
             rank_zero_warn("logger=none: LearningRateMonitor removed (it has no logger to write to)")
             callbacks = [cb for cb in callbacks if cb not in dropped]
+    if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(cb, ProgressBar) for cb in callbacks):
+        callbacks.append(StepProgressBar())  # steps of max_steps, s/step and the time left (Lightning's counts epochs)
     if "enable_checkpointing" not in cfg.trainer:  # no ModelCheckpoint configured: no hidden one from Lightning
         trainer_kwargs["enable_checkpointing"] = any(isinstance(cb, pl.callbacks.ModelCheckpoint) for cb in callbacks)
     trainer: pl.Trainer = hydra.utils.instantiate(
@@ -247,8 +251,8 @@ def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any],
     rows = {
         "wall time (fit)": f"{summary['fit_wall_time_s']:.1f} s ({summary['train_time_s']:.1f} s training)",
         "launch to end": time_split_row(summary),
-        "throughput": f"{summary['samples_per_sec']:,.0f} samples/s"
-        + (f", {summary['tokens_per_sec']:,.0f} tokens/s" if summary.get("tokens_per_sec") else ""),
+        "throughput": format_rate(summary["samples_per_sec"], "samples/s")
+        + (f", {format_rate(summary['tokens_per_sec'], 'tokens/s')}" if summary.get("tokens_per_sec") else ""),
         "peak memory (RSS)": f"{summary['peak_rss_bytes'] / 2**20:,.0f} MiB",
         "optimizer steps": str(summary["global_step"]),
         f"best {summary['monitor']}": "n/a" if summary["best_val"] is None

@@ -19,6 +19,11 @@ from lit_speed.run_contract import PhaseTimer
 WARMUP_BATCHES = 2
 
 
+def significant(value: float | None, digits: int = 4) -> float | None:
+    """``value`` rounded to ``digits`` significant digits (a rate of 0.0523/s stays 0.0523, not 0.05 or 0.0)."""
+    return None if value is None else float(f"{value:.{digits}g}")
+
+
 def steady_rate(amounts: list[int], seconds: list[float], warmup: int = WARMUP_BATCHES) -> float | None:
     """``sum(amount) / sum(seconds)`` over the batches after ``warmup`` (all of them when there are too few)."""
     if not amounts or not any(amounts):
@@ -169,11 +174,11 @@ class RunSummary(Callback):
             "global_step": trainer.global_step,
             "samples": self.samples,
             "tokens": self.tokens,
-            "samples_per_sec": round(self.samples / train_time, 2),
-            "tokens_per_sec": round(self.tokens / train_time, 2) if self.tokens else None,
+            "samples_per_sec": significant(self.samples / train_time),
+            "tokens_per_sec": significant(self.tokens / train_time) if self.tokens else None,
             # the batches after the first WARMUP_BATCHES, from batch start to batch end (loading excluded)
-            "steady_samples_per_sec": round(steady_rate(self.batch_samples, self.batch_seconds) or 0.0, 2),
-            "steady_tokens_per_sec": round(steady_tokens, 2) if steady_tokens else None,
+            "steady_samples_per_sec": significant(steady_rate(self.batch_samples, self.batch_seconds) or 0.0),
+            "steady_tokens_per_sec": significant(steady_tokens) if steady_tokens else None,
             "median_batch_s": round(statistics.median(self.batch_seconds), 4) if self.batch_seconds else None,
             "time_split_s": {k: round(v, 3) for k, v in phases.items()},
             "peak_rss_bytes": peak_rss_bytes(),
