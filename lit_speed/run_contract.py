@@ -30,8 +30,9 @@ Who reports what (checked by ``tests/run/test_run_contract.py``):
   positions a model has (HFCausalLM from ``config.json``, GPTModule), compared before the model's weights load
   (``lit_speed.run.model_checks.check_tokens_fit_model``).
 - :class:`ModelPreparer` (``prepare_model(model)``): a callback that changes the model before training (InitWeights
-  loads weights, PEFTAdapters adds adapters and freezes the base); the runner calls it, in callback order, right
-  after building the model, so the start-up table shows the model that trains and a refusal is a ``Config error``.
+  loads weights, PEFTAdapters adds adapters and freezes the base; ExportModel only notes whether it holds a Hugging
+  Face model); the runner calls it, in callback order, right after building the model, so the start-up table shows
+  the model that trains and a refusal is a ``Config error``.
 
 Example::
 

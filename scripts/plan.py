@@ -132,7 +132,10 @@ def main(argv: list[str]) -> int:
 
     from lit_speed.run.config_check import preflight
     from lit_speed.run.config_error import ConfigError
+    from lit_speed.run.console import quiet_upstream_notices
     from lit_speed.run.memory_plan import describe_configured, plan_run
+
+    quiet_upstream_notices()  # torchao's import lines (through transformers): nothing a plan uses
 
     if args.micro_batches is not None and not all(b.isdigit() and int(b) > 0 for b in args.micro_batches):
         print(f"--micro-batches must be comma-separated positive integers, got {','.join(args.micro_batches)!r}; "

@@ -54,7 +54,10 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     from lit_speed.checkpointing.stop_signals import record_stop_signals
+    from lit_speed.run.console import quiet_upstream_notices
     from lit_speed.run.launch_env import drop_local_rank_argument, share_run_time
+
+    quiet_upstream_notices()  # before the pre-flight, which may import transformers (and, through it, torchao)
 
     sys.argv[1:] = drop_local_rank_argument(sys.argv[1:])  # the deepspeed launcher's --local_rank=N (also in env)
     record_stop_signals()  # SIGTERM/SIGUSR1 during start-up are kept for the first batch, not fatal (peers wait)

@@ -95,7 +95,7 @@ def save_interrupted(trainer: "pl.Trainer", exception: BaseException, signum: in
     signum = signal.SIGTERM if signum is None else signum
     path = last_checkpoint_path(trainer)
     claim_last(trainer, path)
-    trainer.save_checkpoint(path)
+    trainer.save_checkpoint(path, weights_only=False)  # the whole training state a resume needs (optimizer, loops)
     exception.code = 128 + int(signum)
     return (f"interrupted at step {trainer.global_step}; resume with {resume_hint(trainer, path)} hydra.run.dir="
             f"{run_folder(trainer)} ({signal.Signals(signum).name}; checkpoint {path})")

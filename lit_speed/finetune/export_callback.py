@@ -53,9 +53,15 @@ class ExportModel(Callback):
         self.export = export if export == "auto" else bool(export)
         self.export_dir, self.export_format = export_dir, export_format
         self.active: bool | None = None  # decided at setup, when the model and the strategy are known
+        self.holds_hf: bool | None = None  # the model holds a Hugging Face model (known from prepare_model on)
         self.reason = ""
         self.exported: dict[str, str] = {}
         self.export_seconds: float | None = None
+
+    def prepare_model(self, model: Any) -> None:
+        """Note whether ``model`` holds a Hugging Face model (the model is not changed): the runner calls it before
+        the start-up table, whose export row then says what happens to this model (``run_contract.ModelPreparer``)."""
+        self.holds_hf = bool(hf_children(model))
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -95,10 +101,15 @@ class ExportModel(Callback):
         return Path(self.export_dir) if self.export_dir else Path(trainer.default_root_dir) / "model"
 
     def describe(self) -> dict[str, str]:
+        """The start-up table's row: none for a model ``export=auto`` leaves alone (the bundled models: their
+        checkpoint is the result), once :meth:`prepare_model` has seen it."""
         if self.active is None:  # the startup table comes before setup
             folder = self.export_dir or "<run folder>/model"
-            when = {"auto": f"after fit, if a Hugging Face model (save_pretrained folder in {folder}/hf)",
-                    True: f"after fit, to {folder}", False: "off (peft.export=false)"}[self.export]
+            if self.export == "auto" and self.holds_hf is False:
+                return {}
+            auto = f"after fit, a save_pretrained folder in {folder}/hf" if self.holds_hf else \
+                f"after fit, if a Hugging Face model (save_pretrained folder in {folder}/hf)"
+            when = {"auto": auto, True: f"after fit, to {folder}", False: "off (peft.export=false)"}[self.export]
             return {"export": f"trained model: {when}"}
         return {"export": f"trained model: {self.reason}"}
 

@@ -185,15 +185,33 @@ def check_trainer_types(cfg: DictConfig, group: str = "trainer") -> None:
                               f"got {type(value).__name__}. Fix: {group}.{key}=<a value of that type>")
 
 
+def _run_dir_value(arg: str) -> tuple[str, str] | None:
+    """``(key, value)`` of a ``hydra.run.dir=`` / ``hydra.sweep.dir=`` override as Hydra reads it: unquoted
+    (Lightning's launcher passes ``hydra.run.dir="<dir>"`` to the processes it starts), ``None`` for other overrides,
+    sweeps, interpolations and text that does not parse (the pre-flight's parse names that)."""
+    if not arg.lstrip("+~").startswith(("hydra.run.dir=", "hydra.sweep.dir=")):
+        return None
+    try:
+        parsed = OverridesParser.create().parse_overrides([arg])[0]
+    except HydraException:
+        return None
+    value = parsed.value()
+    if parsed.is_sweep_override() or not isinstance(value, str) or not value or "${" in value:
+        return None
+    return parsed.key_or_group, value
+
+
 def check_output_dirs(argv: list[str]) -> None:
     """``hydra.run.dir=`` / ``hydra.sweep.dir=`` given on the command line can be created (Hydra creates them first
-    thing, and a folder it cannot create ends in a traceback). Values with ``${...}`` are left to Hydra."""
+    thing, and a folder it cannot create ends in a traceback). Values with ``${...}`` are left to Hydra; quotes are
+    read as Hydra reads them (a quoted value once made a folder named ``"`` in the current folder)."""
     import os
 
     for arg in argv:
-        key, _, value = arg.lstrip("+~").partition("=")
-        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value or "${" in value:
+        found = _run_dir_value(arg)
+        if found is None:
             continue
+        key, value = found
         path = Path(value).expanduser()
         existing = next((p for p in (path, *path.parents) if p.exists()), None)
         try:

@@ -25,6 +25,7 @@ def test_signal_saves_the_current_step_prints_how_to_resume_and_exits_nonzero(tm
     assert stopped.returncode == 128 + signum, explain(stopped)
     output = stopped.stdout + stopped.stderr
     assert f"interrupted at step {STOP_STEP}; resume with ckpt_path=last hydra.run.dir={run}" in output, explain(stopped)
+    assert "`weights_only` was not set" not in output, explain(stopped)  # the save says what it keeps: everything
     last = run / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == STOP_STEP
 

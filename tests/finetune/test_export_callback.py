@@ -92,3 +92,18 @@ def test_the_startup_table_says_what_auto_will_do_before_setup_and_what_it_does_
     callback.setup(_trainer(tmp_path), MLPClassifier(), "fit")
     assert callback.describe()["export"].startswith("trained model: none: the checkpoint is the result")
     assert ExportModel(export=False).describe() == {"export": "trained model: off (peft.export=false)"}
+
+
+def test_the_startup_table_has_no_export_row_for_a_model_auto_does_not_export(make_cfg):
+    # issue 50: a bundled-MLP run's table said "trained model: after fit, if a Hugging Face model (...)"
+    from lit_speed.run.runner import build
+    from lit_speed.run.startup_table import startup_rows
+
+    callback = ExportModel()
+    callback.prepare_model(MLPClassifier())  # the runner calls it before the table
+    assert callback.describe() == {}
+    explicit = ExportModel(export=True)
+    explicit.prepare_model(MLPClassifier())
+    assert explicit.describe() == {"export": "trained model: after fit, to <run folder>/model"}
+    parts = build(make_cfg(["logger=none"]))
+    assert "export" not in startup_rows(parts["cfg"], parts)
