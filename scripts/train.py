@@ -55,11 +55,12 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     from lit_speed.checkpointing.stop_signals import record_stop_signals
     from lit_speed.run.console import quiet_upstream_notices
-    from lit_speed.run.launch_env import drop_local_rank_argument, share_run_time
+    from lit_speed.run.launch_env import drop_local_rank_argument, move_busy_main_port, share_run_time
 
     quiet_upstream_notices()  # before the pre-flight, which may import transformers (and, through it, torchao)
-
     sys.argv[1:] = drop_local_rank_argument(sys.argv[1:])  # the deepspeed launcher's --local_rank=N (also in env)
+    if (moved := move_busy_main_port()) is not None:  # an inherited MASTER_PORT another run holds: a free one
+        print(moved, file=sys.stderr)
     record_stop_signals()  # SIGTERM/SIGUSR1 during start-up are kept for the first batch, not fatal (peers wait)
     share_run_time()  # under torchrun: one run folder for all ranks (rank 0's time stamp)
     try:

@@ -193,3 +193,53 @@ def drop_local_rank_argument(argv: list[str]) -> list[str]:
             continue
         out.append(arg)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- the main port
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0", "")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (the kernel's choice for port 0): what a test or a run on one machine uses
+    instead of a fixed number, so that two of them at once do not collide."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a listener holds ``port`` on ``host`` (a bind as ``torch.distributed``'s store does it fails)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def move_busy_main_port(env: dict[str, str] | None = None) -> str | None:
+    """On one machine, a ``MASTER_PORT`` inherited by a run that starts its own processes (Lightning's launcher; not a
+    process ``torchrun``, the ``deepspeed`` launcher or Lightning started, which have ``LOCAL_RANK``) and already in
+    use (another run's, or a group an earlier fit in the parent left alive): replaced by a free port, so the run does
+    not stop in ``EADDRINUSE``. Returns the line to print, or ``None`` when nothing changed. A ``MASTER_ADDR`` of
+    another machine, or a node rank > 0, is left alone: the other nodes were told that port."""
+    env = os.environ if env is None else env
+    if "MASTER_PORT" not in env or "LOCAL_RANK" in env or "RANK" in env:
+        return None
+    host = env.get("MASTER_ADDR", "127.0.0.1")
+    if host not in LOOPBACK or env.get("NODE_RANK", "0") != "0":
+        return None
+    try:
+        port = int(env["MASTER_PORT"])
+    except ValueError:
+        return None
+    if not port_in_use(port, host or "127.0.0.1"):
+        return None
+    env["MASTER_PORT"] = str(free_port(host or "127.0.0.1"))
+    return (f"MASTER_PORT={port} is in use on this machine (another run, or a process group left open): this run "
+            f"uses the free port {env['MASTER_PORT']} instead (unset MASTER_PORT to have one chosen every time)")

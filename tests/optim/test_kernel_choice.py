@@ -120,12 +120,9 @@ def _rank_decides(rank: int, port: int, out: str) -> None:
 
 
 def test_on_two_processes_rank_zero_decides_for_both(tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_decides, args=(port, str(tmp_path)), nprocs=2)
+    from lit_speed.run.launch_env import free_port
+
+    mp.spawn(_rank_decides, args=(free_port(), str(tmp_path)), nprocs=2)
     assert [torch.load(tmp_path / f"{r}.pt") for r in range(2)] == ["fused", "fused"]

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from lit_speed.run.launch_env import free_port
 from tests.helpers.repo import ROOT
 
 SCRIPT = """
@@ -43,8 +44,8 @@ def _python(code: str, env: dict[str, str] | None = None) -> subprocess.Complete
                           env={**os.environ, **(env or {})})
 
 
-def _run(body: str, group: bool, port: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return _python(SCRIPT.format(group=group, port=port, body=body), env)
+def _run(body: str, group: bool, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return _python(SCRIPT.format(group=group, port=free_port(), body=body), env)
 
 
 @pytest.mark.parametrize("body,status,printed", [
@@ -55,7 +56,7 @@ def _run(body: str, group: bool, port: int, env: dict[str, str] | None = None) -
 ])
 def test_a_run_with_a_process_group_runs_its_hooks_and_ends_with_its_status_without_finalization(body, status,
                                                                                                 printed):
-    done = _run(body, group=True, port=29541)
+    done = _run(body, group=True)
     assert done.returncode == status, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1:] == ["user hook"]  # the run's hook ran, last; no finalization after it
     assert "finalized" not in done.stdout
@@ -63,13 +64,13 @@ def test_a_run_with_a_process_group_runs_its_hooks_and_ends_with_its_status_with
 
 
 def test_an_interrupted_run_with_a_process_group_still_ends_by_sigint():
-    done = _run("raise KeyboardInterrupt", group=True, port=29542)
+    done = _run("raise KeyboardInterrupt", group=True)
     assert done.returncode == -signal.SIGINT and "user hook" in done.stdout and "finalized" not in done.stdout
 
 
 @pytest.mark.parametrize("group,env", [(False, None), (True, {"LIT_SPEED_EXIT": "interpreter"})])
 def test_without_a_group_or_when_asked_the_interpreter_ends_the_run(group, env):
-    done = _run("sys.exit(3)", group=group, port=29543 + group, env=env)
+    done = _run("sys.exit(3)", group=group, env=env)
     assert done.returncode == 3, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["user hook", "finalized"]
 
@@ -96,16 +97,16 @@ print("after the call")
 """
 
 
-@pytest.mark.parametrize("group,env,lines,port", [
-    (True, None, ["work done", "user hook", "imported hook"], 29546),  # every hook, Python's order; no finalization
+@pytest.mark.parametrize("group,env,lines", [
+    (True, None, ["work done", "user hook", "imported hook"]),  # every hook, Python's order; no finalization
     (True, {"LIT_SPEED_EXIT": "interpreter"}, ["work done", "after the call", "user hook", "imported hook",
-                                               "finalized"], 29547),
-    (False, None, ["work done", "after the call", "user hook", "imported hook", "finalized"], 0),
+                                               "finalized"]),
+    (False, None, ["work done", "after the call", "user hook", "imported hook", "finalized"]),
 ])
-def test_a_script_of_ones_own_ends_through_end_distributed_process(group, env, lines, port):
+def test_a_script_of_ones_own_ends_through_end_distributed_process(group, env, lines):
     """The call a script outside scripts/train.py makes last: with a group, every atexit hook runs (last registered
     first) and the process ends 0 without finalization; without one, or when asked, Python's usual exit."""
-    done = _python(OWN_SCRIPT.format(group=group, port=port), env)
+    done = _python(OWN_SCRIPT.format(group=group, port=free_port()), env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == lines
 
@@ -130,11 +131,11 @@ if {release}:
 """
 
 
-@pytest.mark.parametrize("release,port", [(True, 29548), (False, 29549)])
-def test_release_at_exit_leaves_no_gloo_thread_to_the_finalization(release, port):
+@pytest.mark.parametrize("release", [True, False])
+def test_release_at_exit_leaves_no_gloo_thread_to_the_finalization(release):
     """A process lit_speed does not end itself (a ddp_spawn worker): the atexit hook destroys the group while the
     interpreter is whole, and its worker threads are joined before the finalization; without it they are left."""
-    done = _python(SPAWNED_WORKER.format(port=port, release=release))
+    done = _python(SPAWNED_WORKER.format(port=free_port(), release=release))
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[0] == "running: True"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_speed.run.launch_env import RUN_TIME_ENV
+from lit_speed.run.launch_env import RUN_TIME_ENV, free_port
 from tests.helpers.repo import ROOT, run_train_script
 
 TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2", "logger=none",
@@ -84,7 +84,7 @@ def test_the_entry_point_releases_the_process_group_it_leaves():
     code = ("import os, torch.distributed as dist\n"
             "from lit_speed.run.launch_env import release_process_group\n"
             "release_process_group()\n"  # no group: nothing to do
-            "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29533')\n"
+            f"os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{free_port()}')\n"
             "dist.init_process_group('gloo', rank=0, world_size=1)\n"
             "before = dist.is_initialized()\n"
             "release_process_group()\n"

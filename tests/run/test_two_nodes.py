@@ -11,13 +11,12 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from lit_speed.run.launch_env import RUN_TIME_ENV
+from lit_speed.run.launch_env import RUN_TIME_ENV, free_port
 from tests.helpers.repo import ROOT
 
 README = (ROOT / "README.md").read_text()
@@ -32,16 +31,10 @@ def readme_two_node_command() -> list[str]:
     return shlex.split(block.group(1))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_two_nodes(overrides: list[str], run_id: str, timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """Start the README's command twice, as two torchrun agents (one per "node"), and wait for both."""
     argv = readme_two_node_command()
-    port = _free_port()
+    port = free_port()
     argv = [re.sub(r"127\.0\.0\.1:\d+", f"127.0.0.1:{port}", a) for a in argv]
     argv = [f"--rdzv-id={run_id}" if a.startswith("--rdzv-id") else a for a in argv]
     argv = [str(ROOT / a) if a == "scripts/train.py" else a for a in argv]
