@@ -222,8 +222,8 @@ def test_micro_batch_int_needs_a_datamodule_batch_size():
 def test_hydra_ramp_option_trains_through_the_runner(make_cfg):
     from lit_speed.run.runner import train
 
-    cfg = make_cfg(["accumulation=ramp", "accumulation.effective_batch=[[0,64],[4,128]]", "trainer.max_steps=6",
-                    "trainer.max_epochs=1", "logger=none", "callbacks=none", "validate=false"])
+    cfg = make_cfg(["accumulation=ramp", "accumulation.factors=null", "accumulation.effective_batch=[[0,64],[4,128]]",
+                    "trainer.max_steps=6", "trainer.max_epochs=1", "logger=none", "callbacks=none", "validate=false"])
     summary = train(cfg)
     assert summary["global_step"] == 6
     component = summary["components"]["AccumulationScheduler"]

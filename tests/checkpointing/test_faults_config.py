@@ -111,11 +111,8 @@ CASES = {
                                   r"to drop them", True),  # slow: test_bad_input.py's in-process twin stays
     "preset_optimizer_switched_to_sgd": (["experiment=charlm_fast", "optimizer=sgd"],
                                          r"optimizer\.adamw_lr=[\d.]+: SGD takes no argument 'adamw_lr'", True),
-    "preset_accumulation_switched_off": (["experiment=charlm_fast", "accumulation=none"],
-                                         r"nothing in accumulation builds from effective_batch, ramp, lr_scaling.*"
-                                         r"Fix: accumulation=<fixed \| ramp>", True),
-    "preset_accumulation_switched_to_fixed": (["experiment=charlm_fast", "accumulation=fixed"],
-                                              r"give exactly one of factors=.* or effective_batch=", True),
+    "accumulation_in_steps_and_samples": (["accumulation=fixed", "accumulation.effective_batch=[[0,64]]"],
+                                          r"give exactly one of factors=.* or effective_batch=", True),
     "own_config_dir_missing": (["--config-dir", "/nonexistent/my_conf", "model=mine"],
                                r"--config-dir /nonexistent/my_conf: no such folder.*Fix", True),
     "bf16_master_on_two_processes": (["precision=bf16-master", "strategy=ddp", "trainer=ddp_cpu", "trainer.devices=2"],
@@ -183,7 +180,8 @@ CASES.update({
     "batch_transform_not_a_function": (["data.batch_transform=foo"],
                                        r"data\.batch_transform='foo': DigitsDataModule\(batch_transform='foo'\): must "
                                        r"be a function", True),
-    "effective_batch_not_a_multiple": (["accumulation=ramp", "accumulation.effective_batch=[[0,100]]"],
+    "effective_batch_not_a_multiple": (["accumulation=ramp", "accumulation.factors=null",
+                                        "accumulation.effective_batch=[[0,100]]"],
                                        r"effective_batch\[0\] = 100 is not divisible by micro_batch \(64\) x world size "
                                        r"\(1\) = 64; use 64 or 128", True),
     "attention_unknown": (["precision.attention=fast"], r"precision\.attention='fast': GuardedPrecision\(attention="

@@ -35,7 +35,7 @@ TOTAL_STEPS = 3 * STEPS_PER_EPOCH
 DEFAULT_KILL_RANGE = (STEPS_PER_EPOCH + 1, TOTAL_STEPS - 1)
 # ramp 64 -> 128 samples per step at step 4: epoch 1 = 4 steps of 1 micro-batch + 2 of 2 (ends at step 6),
 # epochs 2 and 3 = 4 steps each (14 in all)
-RAMP = ["accumulation=ramp", "accumulation.effective_batch=[[0,64],[4,128]]"]
+RAMP = ["accumulation=ramp", "accumulation.factors=null", "accumulation.effective_batch=[[0,64],[4,128]]"]
 MATRIX = [
     pytest.param([], DEFAULT_KILL_RANGE, id="32true-auto-noaccum-nocurriculum"),
     pytest.param(["precision=bf16-mixed"], DEFAULT_KILL_RANGE, id="bf16mixed-auto-noaccum-nocurriculum",

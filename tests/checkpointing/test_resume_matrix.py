@@ -42,7 +42,7 @@ PRESET = ["trainer.max_steps=12", "trainer.val_check_interval=4", "trainer.limit
           "logger=none", "validate=false", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 # windows early enough for a few-step run: digits 64 -> 128 samples per step from step 2; presets 12 -> 24 at 4
 ACCUMULATION = {"fixed": ["accumulation.factors=[[0,4]]"],
-                "ramp": ["accumulation.effective_batch=[[0,64],[2,128]]"]}
+                "ramp": ["accumulation.factors=null", "accumulation.effective_batch=[[0,64],[2,128]]"]}
 PRESET_ACCUMULATION = ["accumulation.effective_batch=[[0,12],[4,24]]"]
 # SIGTERM after this many training batches lands inside a window: fixed 4 -> batch 14 is the 2nd of the window
 # 13-16; ramp 1,1 then 2 per step -> batch 9 opens the window 9-10; presets 1 x4 then 2 -> batch 7 opens 7-8

@@ -47,8 +47,8 @@ def _fresh_record():
 # ---- item 5: the effective batch at the start and where the schedule goes ----------------------------------------
 def test_the_effective_batch_row_is_the_schedule_the_run_follows(make_cfg, tmp_path):
     # before: "64 micro x 1 accumulation x 1 process(es) = 64" although the schedule started at 128
-    summary = train(make_cfg(["accumulation=ramp", "accumulation.effective_batch=[[0,128],[4,256]]",
-                              "accumulation.ramp=step", "trainer.max_steps=6", "trainer.log_every_n_steps=1",
+    summary = train(make_cfg(["accumulation=ramp", "accumulation.factors=null",
+                              "accumulation.effective_batch=[[0,128],[4,256]]", "accumulation.ramp=step", "trainer.max_steps=6", "trainer.log_every_n_steps=1",
                               "callbacks=none", *QUIET]))
     assert summary["startup"]["effective batch"] == ("64 micro x 2 accumulation x 1 process(es) = 128 at the start; "
                                                      "then 256 (x4) at step 4")
@@ -60,7 +60,7 @@ def test_the_effective_batch_row_is_the_schedule_the_run_follows(make_cfg, tmp_p
 def test_a_linear_ramp_row_says_it_rises_between_the_keys(make_cfg):
     summary = train(make_cfg(["accumulation=ramp", "trainer.max_steps=1", "callbacks=none", "logger=none", *QUIET]))
     assert summary["startup"]["effective batch"] == ("64 micro x 1 accumulation x 1 process(es) = 64 at the start; "
-                                                     "rising linearly (whole micro-batches) to 256 (x4) at step 50")
+                                                     "rising linearly (whole micro-batches) to x4 = 256 at step 50")
 
 
 # ---- item 5: what val_check_interval counts, and a cadence in optimizer steps ---------------------------------------
@@ -78,7 +78,8 @@ def test_the_validation_row_says_val_check_interval_counts_micro_batches(make_cf
 
 def test_validate_every_n_steps_validates_at_the_optimizer_steps_its_row_names(make_cfg):
     # a ramp: 1, 2, then 4 micro-batches per step; every 3 steps whatever the window
-    summary = train(make_cfg(["accumulation=ramp", "accumulation.effective_batch=[[0,64],[2,128],[4,256]]",
+    summary = train(make_cfg(["accumulation=ramp", "accumulation.factors=null",
+                              "accumulation.effective_batch=[[0,64],[2,128],[4,256]]",
                               "accumulation.ramp=step", "trainer.max_steps=9", "trainer.limit_val_batches=1",
                               "callbacks=[validate_every_n_steps]", "callbacks.validate_every_n_steps.every_n_steps=3",
                               "logger=none", *RECORD, *QUIET]))
