@@ -53,6 +53,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    import signal
+
+    from lit_speed.checkpointing.signal_wakeup import watch_stop_signals
     from lit_speed.checkpointing.stop_signals import record_stop_signals
     from lit_speed.run.console import quiet_upstream_notices
     from lit_speed.run.launch_env import drop_local_rank_argument, move_busy_main_port, share_run_time
@@ -61,7 +64,9 @@ if __name__ == "__main__":
     sys.argv[1:] = drop_local_rank_argument(sys.argv[1:])  # the deepspeed launcher's --local_rank=N (also in env)
     if (moved := move_busy_main_port()) is not None:  # an inherited MASTER_PORT another run holds: a free one
         print(moved, file=sys.stderr)
-    record_stop_signals()  # SIGTERM/SIGUSR1 during start-up are kept for the first batch, not fatal (peers wait)
+    # SIGTERM/SIGUSR1 during start-up are kept for the first batch, not fatal (peers wait); recorded when they arrive,
+    # even while the main thread is in a long C call (a backward pass): the signal deadline counts from then
+    watch_stop_signals(getattr(signal, name) for name in record_stop_signals())
     share_run_time()  # under torchrun: one run folder for all ranks (rank 0's time stamp)
     try:
         preflight(sys.argv[1:])

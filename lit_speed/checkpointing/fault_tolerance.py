@@ -52,6 +52,7 @@ from lit_speed.checkpointing.run_state import (
     write_log_row,
 )
 from lit_speed.checkpointing.signal_stop import SignalStop
+from lit_speed.checkpointing.signal_wakeup import watch_stop_signals
 from lit_speed.checkpointing.stop_signals import INBOX, record_signal_if_unhandled
 from lit_speed.compat.lightning_loops import resume_finished_epoch_as_new_epoch, uncount_batch_if_validation_skipped
 
@@ -159,8 +160,10 @@ class FaultTolerance(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.save_on_signal and hasattr(signal, "SIGUSR1"):  # after Lightning registered its own handlers
-            record_signal_if_unhandled(signal.SIGUSR1)
+        if self.save_on_signal:  # after Lightning registered its own handlers
+            usr1 = hasattr(signal, "SIGUSR1") and record_signal_if_unhandled(signal.SIGUSR1)
+            # seen when it arrives, even while the main thread is in a long backward (a Python handler waits for it)
+            watch_stop_signals([signal.SIGTERM, *([signal.SIGUSR1] if usr1 else [])])
         if self._signals is not None:
             self._signals.on_train_start()
         if self._restored_after_batch_end:

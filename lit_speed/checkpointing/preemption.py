@@ -98,4 +98,5 @@ def save_interrupted(trainer: "pl.Trainer", exception: BaseException, signum: in
     trainer.save_checkpoint(path, weights_only=False)  # the whole training state a resume needs (optimizer, loops)
     exception.code = 128 + int(signum)
     return (f"interrupted at step {trainer.global_step}; resume with {resume_hint(trainer, path)} hydra.run.dir="
-            f"{run_folder(trainer)} ({signal.Signals(signum).name}; checkpoint {path})")
+            f"{run_folder(trainer)} ({signal.Signals(signum).name}; step {trainer.global_step} saved with its "
+            f"optimizer and loop state; checkpoint {path})")

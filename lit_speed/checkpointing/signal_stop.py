@@ -260,8 +260,9 @@ class SignalStop:
         trainer, name = self.trainer, signal_name(signum)
         if path is not None:
             return (f"interrupted at step {step}; resume with {resume_hint(trainer, path)} hydra.run.dir="
-                    f"{run_folder(trainer)} ({name}; the running step would have ended after the "
-                    f"{self.deadline_s:g} s deadline, so the last completed step was saved; checkpoint {path})")
+                    f"{run_folder(trainer)} ({name}; step {step} saved: the running step {step + 1} would have ended "
+                    f"after the {self.deadline_s:g} s deadline, so the last completed step was saved; checkpoint "
+                    f"{path})")
         try:
             last = last_good_checkpoint(checkpoint_folders(trainer))
         except Exception as error:  # noqa: BLE001 - a damaged folder must not hide the stop
