@@ -149,11 +149,15 @@ def main(argv: list[str]) -> int:
     try:
         cfg = preflight(overrides)
         from lit_speed.run.fit_check import hf_folder
+        from lit_speed.run.refusals import config_paths, refusals_as_config_errors
 
-        if hf_folder(cfg) is not None:  # a Hugging Face model folder: the process's peak RSS, from the config
-            return plan_hf_run(cfg, budget, args.json)
-        result, configured = plan_run(cfg, overrides, budget, [int(b) for b in args.micro_batches or []] or None,
-                                      args.precisions, args.checkpoint, args.strategies, args.world_size)
+        # a component that refuses its settings as it is built (a model folder that is not there) says so in one
+        # line naming the setting, as scripts/train.py does
+        with refusals_as_config_errors(lambda: True, config_paths(cfg)):
+            if hf_folder(cfg) is not None:  # a Hugging Face model folder: the process's peak RSS, from the config
+                return plan_hf_run(cfg, budget, args.json)
+            result, configured = plan_run(cfg, overrides, budget, [int(b) for b in args.micro_batches or []] or None,
+                                          args.precisions, args.checkpoint, args.strategies, args.world_size)
     except ConfigError as error:
         print(f"Config error: {error}", file=sys.stderr)
         return 2

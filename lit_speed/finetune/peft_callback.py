@@ -6,6 +6,7 @@ the adapters only, and the library (Hugging Face ``peft``) does the math. The fu
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -102,6 +103,11 @@ class PEFTAdapters(Callback):
             raise ValueError(f"PEFTAdapters(export_format={export_format!r}): must be one of "
                              f"{', '.join(EXPORT_FORMATS)}. Fix: export_format=auto (hf/ for a Hugging Face model, "
                              "else model.pt)")
+        if method != "freeze" and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                                   or not math.isfinite(alpha) or alpha <= 0):
+            raise ValueError(f"PEFTAdapters(alpha={alpha!r}): LoRA scales its update by alpha / r, so alpha must be a "
+                             "number > 0 (a negative one turns the update around, 0 switches it off). Fix: alpha=16 "
+                             "(2 x r is usual)")
         if not 0.0 <= float(dropout) < 1.0:
             raise ValueError(f"PEFTAdapters(dropout={dropout!r}): must be in [0, 1). Fix: dropout=0.05")
         self.method, self.r, self.alpha, self.dropout = method, r, float(alpha), float(dropout)

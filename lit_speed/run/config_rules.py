@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_speed.run.config_error import ConfigError
+from lit_speed.run.file_checks import check_text_budget, check_weight_files
 from lit_speed.run.resume_checks import check_checkpoint_path
 
 
@@ -148,12 +149,38 @@ def check_trainer(cfg: DictConfig) -> None:
               "Fix: trainer.val_check_interval=<batches >= 1, or a fraction of an epoch in (0, 1]>")
     _positive(trainer, "check_val_every_n_epoch", "must be >= 1. "
               "Fix: trainer.check_val_every_n_epoch=1 (or null to validate by trainer.val_check_interval)")
+    for key, what in (("max_steps", "optimizer steps"), ("max_epochs", "epochs")):
+        value = trainer.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < -1:
+            raise ConfigError(f"trainer.{key}={value}: a number of {what} >= 1, or -1 for no limit. "
+                              f"Fix: trainer.{key}={-value} or trainer.{key}=-1")
     for key in ("max_steps", "max_epochs", "limit_train_batches"):
         if trainer.get(key) == 0 and not isinstance(trainer.get(key), bool):
             fix = {"max_steps": "trainer.max_steps=-1 (no step limit) or >= 1",
                    "max_epochs": "trainer.max_epochs=1 or more",
                    "limit_train_batches": "trainer.limit_train_batches=1.0 (all batches) or >= 1"}[key]
             raise ConfigError(f"trainer.{key}=0: the run would make no optimizer step. Fix: {fix}")
+
+
+#: arguments of the adapters' callback checked before anything is built: its own constructor checks them, and a
+#: refusal after the model is built would come after its weights load (minutes at 1B), or as the model's refusal
+_ADAPTER_ARGUMENTS = ("method", "r", "alpha", "dropout", "base_dtype", "base_compute", "up_grad", "export_format")
+
+
+def check_adapters(cfg: DictConfig) -> None:
+    """``peft.*`` values ``PEFTAdapters`` refuses (``base_dtype=int4``, ``alpha=-1``), refused from the config with
+    the component's own message: ``peft.base_dtype`` also sets the model's ``load_dtype``, whose refusal blamed
+    ``model.pretrained``; and ``scripts/plan.py`` builds no callback at all."""
+    node = cfg.get("peft")
+    if not isinstance(node, DictConfig) or not str(node.get("_target_", "")).endswith(".PEFTAdapters"):
+        return
+    from lit_speed.finetune.peft_callback import PEFTAdapters
+    from lit_speed.run.refusals import with_config_path
+
+    try:
+        PEFTAdapters(**{k: node[k] for k in _ADAPTER_ARGUMENTS if k in node}, export=False)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(with_config_path(str(error), {"PEFTAdapters": "peft"}) or str(error)) from None
 
 
 def check_interpolations(cfg: DictConfig) -> None:
@@ -282,4 +309,7 @@ def _check_config(cfg: DictConfig, folders: Sequence[Path]) -> None:
     check_optimizer(cfg)
     check_trainer(cfg)
     check_callbacks(cfg)
+    check_adapters(cfg)
     check_checkpoint_path(cfg.get("ckpt_path"))
+    check_text_budget(cfg)  # reads the first text files' sizes
+    check_weight_files(cfg)  # reads the weight files' headers

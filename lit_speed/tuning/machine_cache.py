@@ -86,5 +86,13 @@ def write_entry(path: Path, key: str, entry: dict[str, Any], what: str) -> None:
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
         os.replace(tmp, path)
     except OSError as err:
-        warnings.warn(f"{what} could not write its timing cache {path} ({err}); the next run times again. "
-                      f"Fix: set LIT_SPEED_CACHE_DIR to a writable folder, or LIT_SPEED_AUTO_CACHE=0.", stacklevel=3)
+        if path.parent in _UNWRITABLE:  # said once per folder and process: every timed choice would say it again
+            return
+        _UNWRITABLE.add(path.parent)
+        warnings.warn(f"the timing cache {path.parent} cannot be written ({what}: {err.strerror or err}); the run "
+                      "goes on, and choices timed in it are timed again in the next run. Fix: set LIT_SPEED_CACHE_DIR "
+                      "to a writable folder, or LIT_SPEED_AUTO_CACHE=0.", stacklevel=3)
+
+
+#: cache folders a write already failed in (this process): the warning is given once for each
+_UNWRITABLE: set[Path] = set()

@@ -156,6 +156,11 @@ CASES = {
     "muon_under_zero": (["model=gpt", "data=charlm", "optimizer=muon", "strategy=zero2", "data.max_bytes=200000"],
                         r"ZeroStrategy: MuonAdamW cannot train under DeepSpeed ZeRO: ZeRO flattens parameters into 1-D "
                         r"partitions.*Fix: strategy=auto or strategy=ddp to keep MuonAdamW", True),
+    # issue 50: Lightning's sentence without the key; a negative LoRA alpha trained silently
+    "max_steps_negative": (["trainer.max_steps=-5"], r"trainer\.max_steps=-5: a number of optimizer "
+                           r"steps >= 1, or -1 for no limit\. Fix: trainer\.max_steps=5", True),
+    "peft_alpha_negative": (["peft=lora", "peft.alpha=-1"], r"peft\.alpha=-1: PEFTAdapters\(alpha=-1\): "
+                            r"LoRA scales its update by alpha / r, so alpha must be a number > 0", True),
     "low_bit_odd_block": (["optimizer=adamw4bit", "optimizer.block_size=3"],
                           r"optimizer\.block_size=3: AdamW4bit\(block_size=3\): block_size must be an even int", True),
     "preset_optimizer_switched_to_low_bit": (["experiment=charlm_fast", "optimizer=adamw8bit"],

@@ -121,6 +121,10 @@ PREFLIGHT_CASES = {
     "trainer.check_val_every_n_epoch=0": r"trainer\.check_val_every_n_epoch=0: must be >= 1\. Fix",
     "trainer.gradient_clip_val=-1": r"trainer\.gradient_clip_val=-1: a negative clip value clips nothing\. Fix",
     "trainer.max_steps=0": r"trainer\.max_steps=0: the run would make no optimizer step\. Fix: trainer\.max_steps=-1",
+    # issue 50: Lightning's own sentence named no key
+    "trainer.max_steps=-5": r"^trainer\.max_steps=-5: a number of optimizer steps >= 1, or -1 for no limit\. Fix: "
+                            r"trainer\.max_steps=5 or trainer\.max_steps=-1$",
+    "trainer.max_epochs=-3": r"^trainer\.max_epochs=-3: a number of epochs >= 1, or -1 for no limit\. Fix: ",
     "trainer.max_epochs=0": r"trainer\.max_epochs=0: the run would make no optimizer step\. Fix",
     "trainer.limit_train_batches=0": r"trainer\.limit_train_batches=0: the run would make no optimizer step\. Fix",
     "data.batch_size=abc": r"data\.batch_size='abc': DigitsDataModule expects int, got str\. Fix: data\.batch_size=",

@@ -68,3 +68,22 @@ def test_the_cache_can_be_turned_off(tmp_path, monkeypatch):
     monkeypatch.setenv("LIT_SPEED_AUTO_CACHE", "0")
     measured_choice("test.kernel", {}, {"a": lambda: None, "b": lambda: None}, default="a", rounds=2)
     assert not (tmp_path / "test.kernel.json").exists()
+
+
+def test_an_unwritable_cache_folder_is_said_once_per_process(monkeypatch, tmp_path):
+    # issue 50: said for every timed choice (peft.base_compute, then peft.up_grad, ...); the run goes on either way
+    import warnings
+
+    from lit_speed.tuning import machine_cache
+
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")  # a folder that cannot be made: a file has its name
+    monkeypatch.setattr(machine_cache, "_UNWRITABLE", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        machine_cache.write_entry(blocked / "peft.base_compute.json", "k", {"v": 1}, "peft.base_compute")
+        machine_cache.write_entry(blocked / "peft.up_grad.json", "k", {"v": 1}, "peft.up_grad")
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and said[0].startswith(f"the timing cache {blocked} cannot be written (peft.base_compute: ")
+    assert "the run goes on" in said[0] and said[0].endswith("Fix: set LIT_SPEED_CACHE_DIR to a writable folder, or "
+                                                           "LIT_SPEED_AUTO_CACHE=0.")
