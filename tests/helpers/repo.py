@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -44,3 +45,13 @@ def run_train_script(args: list[str], cwd: Path | None = None, timeout: float = 
     full_env = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args], cwd=cwd or ROOT,
                           capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def plan_script() -> ModuleType:
+    """``scripts/plan.py`` as a module, for in-process calls of its ``main`` and ``plan_hf_run``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

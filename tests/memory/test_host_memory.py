@@ -7,7 +7,6 @@ faked in a temporary folder: the module reads its mount and ``/proc/self/cgroup`
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import psutil
@@ -15,7 +14,7 @@ import pytest
 
 from lit_speed.memory import host_memory as hm
 from lit_speed.run.config_error import ConfigError
-from tests.helpers.repo import ROOT
+from tests.helpers.repo import plan_script
 
 GIB = 2**30
 
@@ -139,14 +138,12 @@ def test_the_fit_check_reads_the_cgroup(make_cfg, limited, hf_run):
 
 
 def test_the_planner_reads_the_cgroup(make_cfg, limited, hf_run, capsys):
-    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
-    plan_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan_script)
+    plan = plan_script()
     cfg = make_cfg(hf_run)
-    assert plan_script.plan_hf_run(cfg, None) == 0
+    assert plan.plan_hf_run(cfg, None) == 0
     process = psutil.Process().memory_info().rss
     limited(GIB, GIB)
-    assert plan_script.plan_hf_run(cfg, None) == 1  # nothing fits in what the cgroup has left
+    assert plan.plan_hf_run(cfg, None) == 1  # nothing fits in what the cgroup has left
     budget = float(capsys.readouterr().out.split("predicted peak RSS (budget ")[-1].split(" GiB")[0])
     assert budget < process / GIB + 0.1
 

@@ -14,28 +14,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_speed.monitoring import step_progress_bar as spb
 from lit_speed.monitoring.step_progress_bar import StepProgressBar, clock, pace_text, time_left_s
 from lit_speed.run.summary import significant
 from lit_speed.tables import format_rate
+from tests.monitoring.test_device_stats_logger import Regression
 
 STEP_S = 80.0
-
-
-class Tiny(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class Watch(Callback):
@@ -58,10 +45,10 @@ def slow_clock(monkeypatch):
 
 def _fit(tmp_path, bar: StepProgressBar, **trainer_kwargs) -> Watch:
     watch = Watch(bar)
-    data = DataLoader(TensorDataset(torch.randn(40, 4), torch.randn(40, 1)), batch_size=4)  # 10 batches per epoch
+    data = DataLoader(TensorDataset(torch.randn(40, 4), torch.randn(40, 4)), batch_size=4)  # 10 batches per epoch
     trainer = pl.Trainer(callbacks=[bar, watch], logger=False, enable_checkpointing=False, enable_model_summary=False,
                          default_root_dir=tmp_path, accelerator="cpu", **trainer_kwargs)
-    trainer.fit(Tiny(), data)
+    trainer.fit(Regression(4, 1), data)
     return watch
 
 

@@ -22,7 +22,7 @@ from lit_speed.run.config_error import ConfigError
 from lit_speed.run.runner import train
 from tests.helpers.fault_scripts.runs import explain
 from tests.helpers.fault_scripts.runs import train as train_script
-from tests.helpers.repo import ROOT
+from tests.helpers.repo import ROOT, plan_script
 
 pytest.importorskip("transformers")
 
@@ -163,20 +163,10 @@ PLAN_CASES = {**{case: CASES[case] for case in ("base_dtype_int4", "base_dtype_f
                                      r": not a local folder.*Fix: model\.pretrained=<a save_pretrained folder>")}
 
 
-@pytest.fixture(scope="module")
-def plan_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("case", list(PLAN_CASES))
-def test_the_planner_refuses_a_bad_input_in_the_same_one_line(folders, plan_script, capsys, case):
+def test_the_planner_refuses_a_bad_input_in_the_same_one_line(folders, capsys, case):
     folder, overrides, message = PLAN_CASES[case]
-    assert plan_script.main(_run(folders[folder or "qwen2"], *overrides)) == 2
+    assert plan_script().main(_run(folders[folder or "qwen2"], *overrides)) == 2
     err = capsys.readouterr().err
     lines = re.findall(r"^Config error: (.*)$", err, flags=re.M)
     assert "Traceback" not in err and len(lines) == 1 and re.search(message, lines[0]), err[-3000:]
