@@ -5,7 +5,8 @@
 
 Each folder is what ``save_pretrained`` writes for the published architecture (``config.json`` with the released
 dimensions, ``model.safetensors`` in bfloat16 as released, random weights from ``from_config`` with a fixed seed)
-plus a byte-level BPE tokenizer trained here on this Python's standard library. The vocabulary the tokenizer knows
+plus a byte-level BPE tokenizer trained here on this Python's standard library, with its family's chat tokens and chat
+template (Qwen2.5's ``<|im_start|>``/``<|im_end|>``, Llama 3's headers and ``<|eot_id|>``). The vocabulary the tokenizer knows
 is smaller than the embedding (16,384 of 151,936 / 128,256 rows), as a real tokenizer's is a little smaller than its
 padded embedding; every row of the embedding and the LM head still exists and costs its memory and FLOPs.
 
@@ -42,6 +43,39 @@ SPECS: dict[str, dict[str, Any]] = {
 #: Parameter counts of the released models, to check the folders against (embedding counted once when tied).
 RELEASED_PARAMETERS = {"qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400}
 
+#: The chat tokens and template of each family's instruct release (Qwen2.5's published template without its tool
+#: branch; Llama 3's header/eot format without the date preamble of 3.1+): instruction data is rendered with them.
+CHAT = {
+    "qwen2.5-0.5b": (["<|im_start|>", "<|im_end|>"], (
+        "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + "
+        "'<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a "
+        "helpful assistant.<|im_end|>\n' }}{%- endif %}{%- for message in messages %}{%- if message.role == 'user' "
+        "or (message.role == 'system' and not loop.first) or message.role == 'assistant' %}{{- '<|im_start|>' + "
+        "message.role + '\n' + message.content + '<|im_end|>' + '\n' }}{%- endif %}{%- endfor %}{%- if "
+        "add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")),
+    "llama-3.2-1b": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], (
+        "{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
+        "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}{%- if "
+        "add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")),
+}
+
+
+def add_chat_template(folder: Path, name: str) -> bool:
+    """Give ``folder``'s tokenizer its family's chat tokens and template (once; a folder built before has neither).
+    The tokens take ids after the trained vocabulary, inside the embedding's rows. Returns whether it changed."""
+    from transformers import AutoTokenizer
+
+    tokens, template = CHAT[name]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.chat_template == template:
+        return False
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    if name.startswith("llama"):
+        tokenizer.bos_token = "<|begin_of_text|>"
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+    return True
+
 
 def train_tokenizer(out: Path, vocab_size: int = TOKENIZER_VOCAB) -> Any:
     """A byte-level BPE tokenizer trained on this Python's standard library, saved into ``out``."""
@@ -66,6 +100,7 @@ def build(name: str, cache: Path = CACHE) -> Path:
         raise SystemExit(f"model must be one of {sorted(SPECS)}, got {name!r}")
     out = cache / name
     if (out / "built.json").exists():
+        add_chat_template(out, name)  # folders built before the chat template was added get it now
         return out
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -74,6 +109,7 @@ def build(name: str, cache: Path = CACHE) -> Path:
     tmp = cache / f"{name}.tmp{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(tmp)
+    add_chat_template(tmp, name)
     spec = dict(SPECS[name])
     config = AutoConfig.for_model(spec.pop("model_type"), **spec, bos_token_id=tokenizer.eos_token_id,
                                   eos_token_id=tokenizer.eos_token_id, dtype="bfloat16")

@@ -1,5 +1,6 @@
-"""A callback ``bench_real_size.py`` adds to lit_speed's rows (``+callbacks.bench._target_=real_size_recorder.
-StepRecorder``): the loss and seconds of every training batch and the SHA-256 of the first batch, as the peers
+"""A callback ``bench_real_size.py`` and ``bench_sft.py`` add to lit_speed's rows (``+callbacks.bench._target_=
+real_size_recorder.StepRecorder``): the loss and seconds of every training batch, the SHA-256 of the first batch (and
+for ``data=sft`` batches the positions each computed and the targets it trained), as the peers
 (``real_size_peers.py``) record them, and where the step's memory goes (``memory_breakdown.py``, measured at the
 same points as in the peers), written as one JSON at the end of fit."""
 from __future__ import annotations
@@ -27,7 +28,8 @@ class StepRecorder(Callback):
 
     def __init__(self, out: str) -> None:
         self.out = out
-        self.record: dict[str, Any] = {"step_s": [], "loss": [], "first_batch_sha": None}
+        self.record: dict[str, Any] = {"step_s": [], "loss": [], "first_batch_sha": None, "positions": [],
+                                       "real_positions": [], "trained": []}
         self._start = 0.0
         self._cuda: torch.device | None = None
         self._cuda_peak = 0
@@ -37,9 +39,13 @@ class StepRecorder(Callback):
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
+        x = batch["input_ids"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (list, tuple)) else batch
         if self.record["first_batch_sha"] is None:
-            x = batch[0] if isinstance(batch, (list, tuple)) else batch
             self.record["first_batch_sha"] = hashlib.sha256(x.cpu().numpy().tobytes()).hexdigest()[:16]
+        if isinstance(batch, dict):  # data=sft: what the step computed and trained
+            self.record["positions"].append(int(x.numel()))
+            self.record["real_positions"].append(int(batch["attention_mask"].sum()))
+            self.record["trained"].append(int((batch["labels"] != -100).sum()))
         self._start = time.perf_counter()
         self._forward.enter_context(self.breakdown.forward(pl_module))
 

@@ -63,6 +63,12 @@ _EXPORTS = {
     "load_weights": "lit_speed.finetune.weights",
     "HFCausalLM": "lit_speed.models.hf_causal_lm",
     "TextFolderDataModule": "lit_speed.data.text_folder",
+    "load_tokenizer": "lit_speed.data.text_folder",
+    "tokenizer_fingerprint": "lit_speed.data.text_folder",
+    "ResumableShuffle": "lit_speed.data.resumable",
+    "ResumableOrderHooks": "lit_speed.data.resumable",
+    "SFTDataModule": "lit_speed.sft.sft_data_module",
+    "ResponseSamples": "lit_speed.sft.response_samples",
 }
 
 __all__ = sorted(_EXPORTS)

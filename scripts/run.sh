@@ -17,7 +17,7 @@ extras = ",".join(sys.argv[1:]).split(",")
 if "test" in extras:
     mods += ["pytest", "pytest_timeout", "tensorboard", "hydra_plugins.hydra_optuna_sweeper", "ruff"]
 if "finetune" in extras:
-    mods += ["transformers", "peft", "safetensors", "tokenizers", "torchao"]
+    mods += ["transformers", "peft", "safetensors", "tokenizers", "torchao", "datasets"]
 for m in mods:  # find, do not import: importing torch + deepspeed costs seconds
     if importlib.util.find_spec(m) is None:
         raise SystemExit(f"missing {m}")

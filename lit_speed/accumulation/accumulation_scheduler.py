@@ -59,7 +59,9 @@ class AccumulationScheduler(WindowRuns, Callback):
             whole micro-batches).
         micro_batch: Samples per micro-batch; ``None`` keeps the datamodule's, an int sets
             ``datamodule.batch_size``, ``"auto"`` picks the largest that fits ``memory_budget_mb``.
-        normalize: ``"samples"``, ``"tokens"`` (targets != ``ignore_index``) or ``"micro_batch"``.
+        normalize: ``"samples"``, ``"tokens"`` (targets != ``ignore_index``), ``"micro_batch"``, or ``"auto"``: what
+            the DataModule's ``loss_items`` names (``"tokens"`` for :class:`~lit_speed.sft.SFTDataModule`, whose
+            examples train on different numbers of response tokens), else ``"samples"``.
         ignore_index: Target value that is padding (for ``normalize="tokens"``).
         lr_scaling: Rescale the LR with the effective batch: ``"none"``, ``"linear"`` or ``"sqrt"``.
         memory_budget_mb: Activation-memory budget for ``micro_batch="auto"``.
@@ -77,7 +79,7 @@ class AccumulationScheduler(WindowRuns, Callback):
 
     def __init__(self, factors: Optional[Mapping[int, int]] = None, effective_batch: Optional[Mapping[int, int]] = None,
                  unit: str = "step", ramp: str = "step", micro_batch: int | str | None = None,
-                 normalize: str = "samples", ignore_index: int = -100, lr_scaling: str = "none",
+                 normalize: str = "auto", ignore_index: int = -100, lr_scaling: str = "none",
                  memory_budget_mb: Optional[float] = None, oom_recovery: bool = True) -> None:
         if (factors is None) == (effective_batch is None):
             raise ValueError(f"AccumulationScheduler(factors={factors!r}): give exactly one of factors={{0: 4, ...}} "
@@ -88,7 +90,8 @@ class AccumulationScheduler(WindowRuns, Callback):
                                 if effective_batch is not None else None)
         self.unit = checked_argument("unit", unit, check_choice, UNITS)
         self.ramp = checked_argument("ramp", ramp, check_choice, RAMPS)
-        self.normalize = checked_argument("normalize", normalize, check_choice, NORMALIZE)
+        self.normalize = checked_argument("normalize", normalize, check_choice, ("auto", *NORMALIZE))
+        self.normalize_setting = self.normalize  # "auto" is resolved from the DataModule at setup
         self.lr_scaling = checked_argument("lr_scaling", lr_scaling, check_choice, LR_SCALINGS)
         if micro_batch is not None and micro_batch != "auto" and (not isinstance(micro_batch, int) or micro_batch < 1):
             raise ValueError(f"AccumulationScheduler(micro_batch={micro_batch!r}): micro_batch must be an int >= 1, "
@@ -147,12 +150,14 @@ class AccumulationScheduler(WindowRuns, Callback):
         """Rows for the start-up table."""
         what = (f"factors {self.factors}" if self.factors is not None
                 else f"effective batch {self.effective_batch} ({self.ramp} ramp)")
-        return {"accumulation": f"{what} by {self.unit}; normalised per {self.normalize}; "
+        per = "auto (the data's: tokens for data=sft, else samples)" if self.normalize == "auto" else self.normalize
+        return {"accumulation": f"{what} by {self.unit}; normalised per {per}; "
                                 f"lr scaling {self.lr_scaling}; micro-batch {self.micro_batch or 'from data'}; "
                                 f"OOM recovery {'on' if self.oom_recovery else 'off'}"}
 
     def final_summary(self) -> dict[str, Any]:
         return {"factor": self.current_factor, "micro_batch": self._micro(), "oom_retries": self._oom_count,
+                "normalize": self.normalize,
                 "samples_seen": self._seen[0], "tokens_seen": self._seen[1]}
 
     # ------------------------------------------------------------------ set-up and refusals
@@ -179,6 +184,9 @@ class AccumulationScheduler(WindowRuns, Callback):
             self.oom_recovery = False
             rank_zero_info("accumulation: OOM recovery is off (it needs a single process without DeepSpeed)")
         dm = trainer.datamodule
+        if self.normalize_setting == "auto":
+            self.normalize = getattr(dm, "loss_items", "samples") if getattr(dm, "loss_items", None) in NORMALIZE \
+                else "samples"
         if isinstance(self.micro_batch, int) or self.micro_batch == "auto":
             if dm is None or not hasattr(dm, "batch_size"):
                 raise ValueError(f"AccumulationScheduler(micro_batch={self.micro_batch!r}): micro_batch="

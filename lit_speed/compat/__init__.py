@@ -14,6 +14,8 @@ Modules, by library (each function states the version it was written against):
   per-batch broadcast that stop signals replace, the log rows written after checkpoint hooks, and
   ``dump_checkpoint`` (instance patches of one Trainer's loop objects, installed once).
 * :mod:`lit_speed.compat.torchmetrics` - a metric's update count and cached result, to restore its state.
+* :mod:`lit_speed.compat.datasets` - ``datasets``' offline switch, set for one ``load_dataset`` call when the Hub
+  cannot be reached (:func:`lit_speed.compat.datasets.hub_offline`).
 * :mod:`lit_speed.compat.deepspeed` - DeepSpeed itself and Lightning's ``DeepSpeedStrategy`` internals.
 * :mod:`lit_speed.compat.hydra` - Hydra's command-line parser and ``@hydra.main``'s config search path (hydra-core
   1.3.8), so the pre-flight composes from the folders Hydra will search.

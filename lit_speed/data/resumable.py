@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -44,16 +44,19 @@ class ResumableShuffleSampler(DistributedSampler):
         world_size: Number of processes.
         seed: The shared seed of the permutations on several processes (Lightning passes ``PL_GLOBAL_SEED`` to the
             ``DistributedSampler`` it injects); unused on one process.
+        batching: ``(this rank's indices in epoch order, epoch seed) -> batches``, instead of consecutive slices of
+            ``batch_size`` (e.g. length-grouped batches); it must return as many batches as the slices would be.
     """
 
     def __init__(self, n: int, batch_size: int, drop_last: bool = False, rank: int = 0, world_size: int = 1,
-                 seed: int = 0) -> None:
+                 seed: int = 0, batching: Callable[[list[int], int], list[list[int]]] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         super().__init__(range(n), num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False)
         self.n, self.batch_size, self.drop_batch = n, batch_size, drop_last
         self.per_rank = math.ceil(n / world_size)
         self.batches_per_epoch = self.per_rank // batch_size if drop_last else math.ceil(self.per_rank / batch_size)
+        self.batching = batching
         self.epoch_seed: int | None = None  # the seed the current epoch's permutation was drawn with
         self.used_epoch = 0
         self.used_in_epoch = 0
@@ -72,6 +75,12 @@ class ResumableShuffleSampler(DistributedSampler):
         if self.num_replicas > 1:
             padded = torch.cat([perm, perm[: self.per_rank * self.num_replicas - self.n]])
             perm = padded[self.rank::self.num_replicas]
+        if self.batching is not None:
+            batches = self.batching(perm.tolist(), self.epoch_seed)
+            if len(batches) < self.batches_per_epoch:
+                raise ValueError(f"batching made {len(batches)} batches of an epoch of {self.batches_per_epoch}")
+            yield from batches[start:self.batches_per_epoch]
+            return
         for b in range(start, self.batches_per_epoch):
             yield perm[b * self.batch_size: (b + 1) * self.batch_size].tolist()
 
@@ -105,15 +114,17 @@ class ResumableShuffle:
         self.sampler: ResumableShuffleSampler | None = None
         self._pending: dict[str, Any] | None = None
 
-    def sampler_for(self, n: int, batch_size: int, drop_last: bool, trainer: "pl.Trainer | None") -> Sampler:
+    def sampler_for(self, n: int, batch_size: int, drop_last: bool, trainer: "pl.Trainer | None",
+                    batching: Callable[[list[int], int], list[list[int]]] | None = None) -> Sampler:
         """The training batch sampler, resumable mid-epoch on one process and on several (where it serves the
-        batches Lightning's injected ``DistributedSampler`` would: seeded with ``PL_GLOBAL_SEED`` + epoch)."""
+        batches Lightning's injected ``DistributedSampler`` would: seeded with ``PL_GLOBAL_SEED`` + epoch);
+        ``batching``: see :class:`ResumableShuffleSampler`."""
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         s = self.sampler
-        if s is None or (s.n, s.batch_size, s.drop_batch, s.rank, s.num_replicas, s.seed) != (
-                n, batch_size, drop_last, rank, world, seed):
-            self.sampler = ResumableShuffleSampler(n, batch_size, drop_last, rank, world, seed)
+        if s is None or (s.n, s.batch_size, s.drop_batch, s.rank, s.num_replicas, s.seed, s.batching) != (
+                n, batch_size, drop_last, rank, world, seed, batching):
+            self.sampler = ResumableShuffleSampler(n, batch_size, drop_last, rank, world, seed, batching)
             if self._pending is not None:
                 self._load(self._pending)
         return self.sampler

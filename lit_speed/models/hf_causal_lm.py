@@ -76,7 +76,8 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
         model = HFCausalLM("path/to/folder", optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
     """
 
-    accepted_batch_kinds = ("tokenizer-ids->next-token",)  # lit_speed.run_contract.BatchConsumer
+    # lit_speed.run_contract.BatchConsumer: (input, target) windows of a text folder, or token dicts (data=sft)
+    accepted_batch_kinds = ("tokenizer-ids->next-token", "token-dict->next-token")
 
     def __init__(self, pretrained: str, from_config: bool = False,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
@@ -120,19 +121,32 @@ class HFCausalLM(NextTokenSteps, pl.LightningModule):
         if getattr(self, "loaded_low_precision", False):
             lit_speed.upcast_unlowered(self)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=idx, use_cache=False).logits
+    def forward(self, idx: torch.Tensor, **model_kwargs: torch.Tensor) -> torch.Tensor:
+        """Logits of ``idx``; ``model_kwargs``: ``position_ids`` (packed rows) or ``attention_mask``."""
+        return self.model(input_ids=idx, use_cache=False, **model_kwargs).logits
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int], pad_id: int) -> list[int]:
+        """Greedy continuation of ``prompt_ids`` (``transformers``' ``generate`` with its KV cache), up to
+        ``max_new_tokens`` or a token of ``stop_ids`` (which is returned last)."""
+        from transformers import GenerationConfig
+
+        ids = torch.tensor([prompt_ids], device=self.device)
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(stop_ids),
+                                  pad_token_id=pad_id)
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return out[0, ids.shape[1]:].tolist()
 
     def use_chunked_loss(self, chunk_bytes: int | None) -> None:
         if chunk_bytes is not None and self._lm_head is None:  # checked on a probe: refused if logits are more
             self._lm_head = lit_speed.hf_lm_head(self.model, owner=f"{type(self).__name__}(loss_chunk_mib=...)")
         super().use_chunked_loss(chunk_bytes)
 
-    def head_inputs(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+    def head_inputs(self, idx: torch.Tensor, **model_kwargs: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, Any]]:
         spec = self._lm_head
         if spec is None or spec.head is not self.model.get_output_embeddings():  # e.g. adapters put on the head
             spec = self._lm_head = lit_speed.hf_lm_head(self.model, owner=f"{type(self).__name__}(loss_chunk_mib=...)")
-        hidden = spec.decoder(input_ids=idx, use_cache=False)[0]
+        hidden = spec.decoder(input_ids=idx, use_cache=False, **model_kwargs)[0]
         scale = getattr(spec.head, "held_weight_scale", None)  # an int8-held head (peft.base_dtype=int8)
         return hidden, spec.head.weight, spec.head.bias, {**spec.loss_options(), **({} if scale is None else
                                                                                     {"weight_scale": scale})}

@@ -129,10 +129,17 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
         else BASELINE
     if precision == AUTO or precision not in TABLE:  # auto decides at the first batch: float32 is its largest case
         precision = BASELINE
+    block = data_window(cfg.data)
     return RunFacts(config, int(text.num_hidden_layers), int(text.vocab_size),
-                    int(cfg.data.batch_size) * int(cfg.data.block_size), int(cfg.data.block_size), frozen, trainable,
+                    int(cfg.data.batch_size) * block, block, frozen, trainable,
                     sum(os.path.getsize(f) for f in files), 2 if "16" in dtype else 4, str(precision), optimizer,
                     largest)
+
+
+def data_window(data: DictConfig) -> int:
+    """Positions per sequence the data's batches hold at most: ``block_size`` (text windows) or ``max_length``
+    (``data=sft``: an example, or a packed row of several, is at most that long)."""
+    return int(data.get("block_size") or data.get("max_length"))
 
 
 #: The probe's longest window: one sequence of the run's block, at most this long (its cost grows with it).

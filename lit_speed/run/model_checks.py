@@ -91,14 +91,15 @@ def check_tokens_fit_model(datamodule: Any, model_cfg: DictConfig) -> None:
     if limits.positions is None or data.positions is None or data.positions <= limits.positions:
         return
     n, block = limits.positions, _with_path(data.positions_source or f"block_size={data.positions}", "data")
+    key = block.partition("=")[0]  # data.block_size, or data.max_length (data=sft)
     where = _with_path(limits.positions_source, "model") or model_source
     if limits.kind == "learned":
         raise ConfigError(f"{block}: longer than the {n} positions of {limits.name} ({where}): its position "
                           f"embeddings are a learned table of {n} rows, so positions {n} and later do not exist (an "
-                          f"IndexError at the first batch). Fix: data.block_size={n} (or less)")
+                          f"IndexError at the first batch). Fix: {key}={n} (or less)")
     what = ("rotary positions run past it, at positions the model never saw in training, so quality drops"
             if limits.kind == "rotary" else "past it the model runs at positions it was not built for")
     config_json = Path(limits.source.partition("=")[2]) / "config.json"  # a local folder: its limit can be raised
     raise_it = f"; to train past it on purpose, raise max_position_embeddings in {config_json}" * config_json.is_file()
     raise ConfigError(f"{block}: longer than the {n} positions {limits.name} was made for (max_position_embeddings, "
-                      f"{where}): its {what}. Fix: data.block_size={n} (or less){raise_it}")
+                      f"{where}): its {what}. Fix: {key}={n} (or less){raise_it}")

@@ -49,6 +49,8 @@ def with_config_path(message: str, paths: dict[str, str]) -> str | None:
 
 def _config_error(error: BaseException, paths: dict[str, str]) -> ConfigError:
     message = str(error)
+    if getattr(error, "names_its_setting", False):  # e.g. "data.source: train.jsonl line 3 is ...": as it is
+        return ConfigError(message)
     return ConfigError(with_config_path(message, paths) or f"{type(error).__name__}: {message}")
 
 
@@ -58,7 +60,8 @@ def refusals_as_config_errors(before_training: Callable[[], bool], paths: dict[s
     :class:`ConfigError` with the component's own message, as long as no training batch has run.
 
     The message starts with the config path of the setting it refuses (``paths``: see :func:`config_paths`)
-    when the component names its class and argument; Hydra's ``InstantiationException`` wrapper is removed.
+    when the component names its class and argument, or is left as it is when the error says it names its setting
+    (``names_its_setting = True``); Hydra's ``InstantiationException`` wrapper is removed.
     """
     try:
         yield

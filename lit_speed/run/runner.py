@@ -260,8 +260,8 @@ def write_summary(cfg: DictConfig, trainer: pl.Trainer, summary: dict[str, Any],
     }
     for key, value in summary.get("final_val", {}).items():
         rows[f"final {key}"] = f"{value:.4f}"
-    for extra in extras:
-        rows[extra.label] = f"{extra.value:.4f}"
+    for extra in extras:  # a count as a count, a loss or a share with 4 decimals
+        rows[extra.label] = f"{extra.value:,.0f}" if float(extra.value).is_integer() else f"{extra.value:.4f}"
     for part in [trainer.precision_plugin, trainer.strategy, *trainer.callbacks]:
         if isinstance(part, EndOfRunReport):
             rows.update({str(k): str(v) for k, v in part.end_rows().items()})

@@ -88,7 +88,8 @@ def choose_fastest(times: Mapping[str, float | None], default: str, min_gain: fl
 
 def measured_choice(name: str, key: Mapping[str, Any], candidates: Mapping[str, Callable[[], Any]], default: str,
                     min_gain: float = MIN_GAIN, rounds: int = 10, budget_s: float = 1.0,
-                    use_disk_cache: bool | None = None) -> Decision:
+                    use_disk_cache: bool | None = None, scale: Mapping[str, float] | None = None,
+                    unit: str = "ms") -> Decision:
     """Time ``candidates`` (or reuse this machine's cached timings for ``key``) and choose one.
 
     Args:
@@ -99,6 +100,10 @@ def measured_choice(name: str, key: Mapping[str, Any], candidates: Mapping[str, 
         min_gain: See :func:`choose_fastest`.
         rounds, budget_s: See :func:`time_interleaved`.
         use_disk_cache: Read and write the on-disk cache (default: unless ``LIT_SPEED_AUTO_CACHE=0``).
+        scale: Candidate -> how many of its calls the run's work is, when the candidates' calls are samples of
+            different sizes (a packed row against a padded one): the choice compares ``median x scale``. The cache
+            keeps the medians, so ``scale`` may change between runs without re-timing.
+        unit: ``ms`` or ``s``, for the reason's times.
     """
     full_key = json.dumps({"name": name, "candidates": sorted(candidates), **machine_key(), **dict(key)},
                           sort_keys=True, default=str)
@@ -111,10 +116,12 @@ def measured_choice(name: str, key: Mapping[str, Any], candidates: Mapping[str, 
         entry = {"times": {n: (statistics.median(v) if v else None) for n, v in samples.items()}}
         if use_disk:
             write_entry(path, full_key, entry, name)
-    chosen, reason = choose_fastest(entry["times"], default, min_gain)
+    times = dict(entry["times"]) if scale is None else \
+        {n: None if t is None else t * scale[n] for n, t in entry["times"].items()}
+    chosen, reason = choose_fastest(times, default, min_gain, unit)
     if cached_on:
         reason = f"{reason} (cached {cached_on} in {path})"
-    return Decision(name, chosen, reason, dict(entry["times"]), cached_on)
+    return Decision(name, chosen, reason, times, cached_on)
 
 
 def on_rank_zero(decide: Callable[[], Decision]) -> Decision:

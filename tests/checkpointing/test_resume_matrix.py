@@ -66,7 +66,12 @@ LEVERS = {"peft=lora peft.base_dtype=bf16": DIGITS + ["peft=lora", "peft.base_dt
           # chunk_mib=auto (the default): the chunk decided at fit start is saved, and a resumed run keeps it
           "experiment=charlm_cpu callbacks+=chunked_loss chunk_mib=auto": [
               "experiment=charlm_cpu", *[a for a in PRESET if not a.startswith("callbacks=")],
-              "callbacks=[model_checkpoint,fault_tolerance,chunked_loss]", "callbacks.chunked_loss.chunk_mib=auto"]}
+              "callbacks=[model_checkpoint,fault_tolerance,chunked_loss]", "callbacks.chunked_loss.chunk_mib=auto"],
+          # data=sft's two layouts named (the preset's row runs packing=auto: timed, saved, kept on resume)
+          "experiment=sft_lora data.packing=true": [
+              "experiment=sft_lora", *[a for a in PRESET if not a.startswith("data.max_bytes=")], "data.packing=true"],
+          "experiment=sft_lora data.packing=false": [
+              "experiment=sft_lora", *[a for a in PRESET if not a.startswith("data.max_bytes=")], "data.packing=false"]}
 
 
 def _tiny_llama(tmp_path: Path) -> list[str]:
@@ -79,8 +84,22 @@ def _tiny_llama(tmp_path: Path) -> list[str]:
             "callbacks=[model_checkpoint,fault_tolerance,chunked_loss,activation_checkpointing,return_freed_memory]"]
 
 
+def _tiny_chat_llama(tmp_path: Path) -> list[str]:
+    """sft_lora names the 0.5B folder (benchmarks/model_folders.py) and the stdlib examples (1,149): a tiny Llama with
+    ChatML's tokens and template and 40 short chat examples stand in, with the preset's levers (bf16 base, chunked
+    loss) on."""
+    from tests.helpers.sft import write_examples
+    from tests.helpers.tiny_hf import save_tiny_causal_lm
+
+    folder = save_tiny_causal_lm(tmp_path / "tiny_chat", chat=True, max_positions=512)
+    return [f"model.pretrained={folder}", f"data.source={write_examples(tmp_path, 'chat', n=40)}",
+            "data.max_length=256", f"data.cache_dir={tmp_path / 'sft_cache'}", "data.samples=1"]
+
+
 #: presets whose shipped folder is built on demand: what their rows add (from the test's temporary folder)
-PRESET_STAND_INS = {"finetune_1b_lora": _tiny_llama}
+PRESET_STAND_INS = {"finetune_1b_lora": _tiny_llama, "sft_lora": _tiny_chat_llama}
+#: PRESET keys a preset's data option does not take (data=sft has no corpus to cap)
+PRESET_DROPS = {"sft_lora": ("data.max_bytes=",)}
 
 
 def options(group: str) -> list[str]:
@@ -119,7 +138,8 @@ def _cases() -> list:
         cases.append(pytest.param(overrides, KILL_STEP["preset" if "experiment=" in name else "none"], None,
                                   id=f"{name}-sigkill", marks=[pytest.mark.slow]))
     for preset in options("experiment"):
-        overrides = [f"experiment={preset}", *PRESET] + (PRESET_ACCUMULATION if _preset_accumulates(preset) else [])
+        shrunk = [a for a in PRESET if not a.startswith(PRESET_DROPS.get(preset, ("-",)))]
+        overrides = [f"experiment={preset}", *shrunk] + (PRESET_ACCUMULATION if _preset_accumulates(preset) else [])
         cases.append(pytest.param(overrides, KILL_STEP["preset"], None, id=f"experiment={preset}-sigkill",
                                   marks=[pytest.mark.slow]))
         if _preset_accumulates(preset):

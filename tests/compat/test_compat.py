@@ -575,3 +575,19 @@ def test_atexit_runs_and_clears_the_hooks_like_the_interpreters_exit() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:3] == ["second", "first", "left 0"]  # and nothing more at the real exit
     assert done.stdout.count("first") == 1
+
+
+def test_datasets_offline_switch_is_the_module_value_load_dataset_reads(tmp_path) -> None:
+    # hub_offline(): datasets.config.HF_HUB_OFFLINE, read when load_dataset resolves a dataset id
+    import time
+
+    import datasets
+    import datasets.config
+
+    from lit_speed.compat.datasets import hub_offline
+
+    before = datasets.config.HF_HUB_OFFLINE
+    start = time.perf_counter()
+    with hub_offline(True), pytest.raises(ConnectionError, match="OfflineModeIsEnabled"):
+        datasets.load_dataset("nobody/no-such-dataset", cache_dir=str(tmp_path))
+    assert time.perf_counter() - start < 10 and datasets.config.HF_HUB_OFFLINE == before

@@ -32,7 +32,7 @@ def _grads(model: GPTModule, autocast: bool = False) -> dict[str, torch.Tensor]:
     torch.manual_seed(1)
     x = torch.randint(0, 97, (4, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = model._loss((x, torch.roll(x, -1, 1)))
+        loss = model.batch_loss((x, torch.roll(x, -1, 1)))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return dict(zip([n for n, _ in trainable], torch.autograd.grad(loss, [p for _, p in trainable])))
 
@@ -182,7 +182,7 @@ def test_on_the_gpu_auto_times_both_and_the_gradients_are_nn_linears():
     x = torch.randint(0, 97, (4, 16), device="cuda")
     grads = []
     for m in (model, twin):
-        loss = m._loss((x, torch.roll(x, -1, 1)))
+        loss = m.batch_loss((x, torch.roll(x, -1, 1)))
         grads.append(torch.autograd.grad(loss, [p for p in m.parameters() if p.requires_grad]))
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

@@ -42,7 +42,7 @@ def _batch(seed: int = 1):
 
 
 def _lora_grads(model: GPTModule):
-    loss = model._loss(_batch())
+    loss = model.batch_loss(_batch())
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     return loss, dict(zip(names, torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])))
 

@@ -196,8 +196,8 @@ def test_the_models_own_chunked_loss_over_an_int8_head_equals_their_plain_loss(t
     for model, vocab in ((gpt, 97), (hf, 300)):
         x = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(2))
         batch = (x, torch.roll(x, -1, 1))
-        plain = model._loss(batch)
+        plain = model.batch_loss(batch)
         model.use_chunked_loss(4096)
-        chunked = model._loss(batch)
+        chunked = model.batch_loss(batch)
         model.use_chunked_loss(None)
         torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-5)

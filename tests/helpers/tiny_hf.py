@@ -42,9 +42,16 @@ def tiny_tokenizer(vocab_size: int = 300):
 ARCHS = ("llama", "gpt2", "qwen2", "opt")
 
 
+#: ChatML's markers and a template that renders with them (a tokenizer with a chat template of its own)
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+CHATML = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+          "{%- endif %}")
+
+
 def save_tiny_causal_lm(folder: str | Path, arch: str = "llama", seed: int = 0, vocab_size: int = 300,
                         hidden: int = 64, layers: int = 2, max_positions: int = 256, tokenizer: bool = True,
-                        model_vocab_size: int | None = None) -> Path:
+                        model_vocab_size: int | None = None, chat: bool = False) -> Path:
     """Write a tiny causal LM and (unless ``tokenizer=False``) its tokenizer to ``folder``.
 
     Args:
@@ -54,6 +61,8 @@ def save_tiny_causal_lm(folder: str | Path, arch: str = "llama", seed: int = 0, 
         max_positions: ``max_position_embeddings`` (``n_positions`` for GPT-2).
         tokenizer: Save the tokenizer files too; ``False`` leaves a folder of weights and ``config.json`` only.
         model_vocab_size: Embedding rows when they should differ from the tokenizer's vocabulary (default: equal).
+        chat: Add ChatML's ``<|im_start|>``/``<|im_end|>`` as special tokens and :data:`CHATML` as the tokenizer's
+            chat template (as an instruct model's folder has them).
     """
     from transformers import (
         GPT2Config,
@@ -68,6 +77,9 @@ def save_tiny_causal_lm(folder: str | Path, arch: str = "llama", seed: int = 0, 
 
     folder = Path(folder)
     trained = tiny_tokenizer(vocab_size)
+    if chat:
+        trained.add_special_tokens({"additional_special_tokens": CHAT_TOKENS})
+        trained.chat_template = CHATML
     n_vocab, eos = model_vocab_size or len(trained), trained.eos_token_id
     if arch in ("qwen2", "opt") and tokenizer and model_vocab_size is None:
         # AutoTokenizer loads the folder as the architecture's own class (Qwen2Tokenizer, GPT2Tokenizer), which adds

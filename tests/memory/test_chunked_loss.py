@@ -246,8 +246,8 @@ def test_gpt_module_chunked_loss_equals_its_plain_loss_with_the_tied_embedding_t
     x = torch.randint(0, V, (3, 16))
     y = torch.roll(x, -1, 1)
     y[:, -1] = -100
-    expected = torch.autograd.grad(plain._loss((x, y)), list(plain.parameters()))
-    got = torch.autograd.grad(chunked._loss((x, y)), list(chunked.parameters()))
+    expected = torch.autograd.grad(plain.batch_loss((x, y)), list(plain.parameters()))
+    got = torch.autograd.grad(chunked.batch_loss((x, y)), list(chunked.parameters()))
     assert chunked.model.lm_head.weight is chunked.model.wte.weight  # the head's gradient reaches the embedding
     for g, e in zip(got, expected):
         _close(g, e)
@@ -315,12 +315,12 @@ def test_hf_causal_lm_chunked_loss_equals_its_plain_loss_also_with_adapters(tmp_
     y[:, -1] = -100
     grads = []
     for module in (plain, chunked):
-        loss = module._loss((x, y))
+        loss = module.batch_loss((x, y))
         grads.append(torch.autograd.grad(loss, [p for p in module.parameters() if p.requires_grad]))
     for g, e in zip(*reversed(grads)):
         _close(g, e)
     with torch.no_grad():  # validation: the loss only
-        torch.testing.assert_close(chunked._loss((x, y)), plain._loss((x, y)), **FP32)
+        torch.testing.assert_close(chunked.batch_loss((x, y)), plain.batch_loss((x, y)), **FP32)
 
 
 def test_chunks_are_balanced_never_longer_than_the_budget_and_as_few():

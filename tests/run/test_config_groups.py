@@ -33,6 +33,15 @@ def _required_values(group: str, option: str, make_cfg, tmp_path) -> list[str]:
         from tests.helpers.tiny_hf import save_tiny_causal_lm
 
         return [f"model.pretrained={save_tiny_causal_lm(tmp_path / 'hf', max_positions=512)}"]
+    if (group, option) in (("data", "sft"), ("experiment", "sft_lora")):
+        # a tiny chat model stands in for the preset's 0.5B folder; a tiny JSONL for the user's examples
+        from tests.helpers.sft import write_examples
+        from tests.helpers.tiny_hf import save_tiny_causal_lm
+
+        folder = save_tiny_causal_lm(tmp_path / "hf", chat=True, max_positions=512)
+        return (["model=hf_causal_lm"] if group == "data" else []) + [
+            f"model.pretrained={folder}", f"data.source={write_examples(tmp_path, 'chat', n=8)}",
+            f"data.cache_dir={tmp_path / 'sft_cache'}", "data.max_length=256"]
     if (group, option) in (("init", "weights"), ("experiment", "charlm_finetune")):
         base = ["experiment=charlm_cpu"] if option == "charlm_finetune" else []
         weights = tmp_path / "weights.pt"  # instead of the preset's pretraining run (scripts/train.py, ~1 min)

@@ -21,6 +21,7 @@ from lit_speed.data.charlm import CharLMDataModule
 from lit_speed.data.digits import DigitsDataModule
 from lit_speed.data.text_folder import TextFolderDataModule
 from lit_speed.run.config_check import preflight
+from lit_speed.sft.sft_data_module import SFTDataModule
 from tests.helpers.repo import CONF, ROOT, docs_text
 
 README = docs_text()  # the top README and the component cards
@@ -29,7 +30,9 @@ README = docs_text()  # the top README and the component cards
 GROUPS = {
     "data": {"digits": (["data=digits"], DigitsDataModule), "charlm": (["experiment=charlm_cpu"], CharLMDataModule),
              "text_folder": (["data=text_folder", "model=hf_causal_lm", "model.pretrained=/path/to/hf_folder",
-                              "data.root=/path/to/texts"], TextFolderDataModule)},
+                              "data.root=/path/to/texts"], TextFolderDataModule),
+             "sft": (["data=sft", "model=hf_causal_lm", "model.pretrained=/path/to/hf_folder",
+                      "data.source=/path/to/examples.jsonl"], SFTDataModule)},
     "precision": {p.stem: ([f"precision={p.stem}"], GuardedPrecision) for p in sorted((CONF / "precision").glob("*.yaml"))},
     "accumulation": {o: ([f"accumulation={o}"], AccumulationScheduler) for o in ("fixed", "ramp")},
 }

@@ -36,7 +36,8 @@ def test_charlm_beats_unigram_baseline_in_200_steps(make_cfg):
 
 
 #: presets that need a model folder built first (benchmarks/model_folders.py): slow tier, skipped without the folder
-NEEDS_FOLDER = {"finetune_1b_lora": CONF.parent / ".cache" / "model_folders" / "llama-3.2-1b"}
+NEEDS_FOLDER = {"finetune_1b_lora": CONF.parent / ".cache" / "model_folders" / "llama-3.2-1b",
+                "sft_lora": CONF.parent / ".cache" / "model_folders" / "qwen2.5-0.5b"}
 
 
 def _preset(name: str) -> object:
