@@ -46,6 +46,7 @@ GENERATION_TEMPLATE = CHAT[MODEL][1].replace(
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- elif message.role == "
     "'assistant' %}{{- '<|im_start|>assistant\\n' }}{%- generation %}{{- message.content + '<|im_end|>' + '\\n' }}"
     "{%- endgeneration %}{%- endif %}")
+assert "generation" in GENERATION_TEMPLATE, "the folder's template changed: mark its responses again"
 
 
 def ensure_trl() -> None:
@@ -167,9 +168,83 @@ def equivalence(args: argparse.Namespace) -> None:
                  f"unpacked, the file's order, beside TRL SFTTrainer in the same run: {line}")
 
 
+#: the speed suite's rows: (tool, extra arguments). TRL: its default (padding, random order), packing=True (bfd) and
+#: padding_free=True (one row per batch, position_ids); bf16 autocast where the CPU has bf16 units (--precision bf16).
+#: lit_speed: the preset as a user types it (packing timed), then each layout named.
+SPEED_ROWS: dict[str, tuple[str, list[str]]] = {
+    "trl/default": ("trl", []),
+    "trl/packing": ("trl", ["--packing"]),
+    "trl/padding_free": ("trl", ["--padding-free"]),
+    "lit_speed/default": ("lit", []),
+    "lit_speed/packed": ("lit", ["data.packing=true"]),
+    "lit_speed/padded": ("lit", ["data.packing=false"]),
+}
+
+
+def speed(args: argparse.Namespace) -> None:
+    """Steady trained tokens per second, peak RSS, launch to exported model, per row; the same JSONL (messages), the
+    same LoRA, LR and steps, no validation on either side."""
+    from real_size_peers import native_bf16
+
+    ensure_trl()
+    model = build(MODEL)
+    data = data_files(WORK / "data")["messages"]
+    template = WORK / "qwen2_5_generation.jinja"
+    template.write_text(GENERATION_TEMPLATE)
+    bf16 = native_bf16()
+    rows = []
+    for name in args.rows or list(SPEED_ROWS):
+        tool, extra = SPEED_ROWS[name]
+        out = WORK / "speed" / name.replace("/", "_")
+        shared = (model, data, out, args.steps, args.micro, args.max_length, args.r, args.lr)
+        if tool == "trl":
+            cmd = trl_command(*shared, ["--precision", "bf16" if bf16 else "fp32", "--chat-template", str(template),
+                                        "--clip", "1.0", *extra])
+        else:
+            cmd = lit_command(*shared, [f"data.val_source={data}", "trainer.limit_val_batches=0",
+                                        "trainer.num_sanity_val_steps=0", "validate=false", "data.samples=0",
+                                        "trainer.gradient_clip_val=1.0",
+                                        *(["precision=bf16-mixed"] if bf16 else []), *extra])
+        row = run(name, cmd, out)
+        if row["exit"] == 0:
+            timed = list(zip(row["step_s"], row["trained"], row["positions"], row["real_positions"]))[args.warmup:]
+            seconds = sum(t[0] for t in timed)
+            row.update(steady_trained_tokens_per_s=round(sum(t[1] for t in timed) / seconds, 2),
+                       steady_positions_per_s=round(sum(t[2] for t in timed) / seconds, 2),
+                       padding_share=round(1 - sum(t[3] for t in timed) / sum(t[2] for t in timed), 4),
+                       trained_per_step=round(sum(t[1] for t in timed) / len(timed), 1))
+        rows.append(row)
+    ok = {r["name"]: r for r in rows if r["exit"] == 0}
+    trl = [r for n, r in ok.items() if n.startswith("trl/")]
+    lit = [r for n, r in ok.items() if n.startswith("lit_speed/")]
+    ratios = {}
+    if trl and lit:
+        fastest = max(trl, key=lambda r: r["steady_trained_tokens_per_s"])
+        lightest = min(trl, key=lambda r: r["peak_rss_bytes"])
+        quickest = min(trl, key=lambda r: r["launch_to_end_s"])
+        for r in lit:
+            ratios[r["name"]] = {
+                "tokens_per_s_vs_trl_fastest": round(r["steady_trained_tokens_per_s"] /
+                                                     fastest["steady_trained_tokens_per_s"], 3),
+                "peak_rss_vs_trl_lowest": round(r["peak_rss_bytes"] / lightest["peak_rss_bytes"], 3),
+                "launch_to_end_vs_trl_quickest": round(r["launch_to_end_s"] / quickest["launch_to_end_s"], 3),
+                "trl_rows": {"fastest": fastest["name"], "lowest_rss": lightest["name"], "quickest": quickest["name"]}}
+    line = "; ".join(f"{r['name']}: {r['steady_trained_tokens_per_s']:.0f} trained tok/s, "
+                     f"{r['peak_rss_bytes'] / 2**30:.2f} GiB, {r['launch_to_end_s']:.0f} s to export, padding "
+                     f"{r['padding_share']:.0%}" for r in ok.values())
+    line += "; " + "; ".join(f"{n} vs TRL: tok/s x{v['tokens_per_s_vs_trl_fastest']}, RSS x{v['peak_rss_vs_trl_lowest']}"
+                             f", launch-to-export x{v['launch_to_end_vs_trl_quickest']}" for n, v in ratios.items())
+    write_result(f"sft_speed{args.tag}", {"rows": rows, "ratios": ratios, "model": MODEL, "bf16": bf16,
+                                          "settings": vars(args)},
+                 f"{MODEL} dims, LoRA r={args.r}, {args.steps} steps of {args.micro} items <= {args.max_length} tokens, "
+                 f"{'bf16 autocast' if bf16 else 'fp32'}, no validation, beside TRL SFTTrainer: {line}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["equivalence"], default="equivalence")
+    parser.add_argument("--suite", choices=["equivalence", "speed"], default="equivalence")
+    parser.add_argument("--rows", nargs="*", choices=list(SPEED_ROWS), help="speed rows (default: all)")
+    parser.add_argument("--warmup", type=int, default=2, help="speed: steps left out of the steady rate")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=512)
@@ -177,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
-    {"equivalence": equivalence}[args.suite](args)
+    {"equivalence": equivalence, "speed": speed}[args.suite](args)
 
 
 if __name__ == "__main__":

@@ -47,16 +47,16 @@ RELEASED_PARAMETERS = {"qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_40
 #: branch; Llama 3's header/eot format without the date preamble of 3.1+): instruction data is rendered with them.
 CHAT = {
     "qwen2.5-0.5b": (["<|im_start|>", "<|im_end|>"], (
-        "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + "
-        "'<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a "
-        "helpful assistant.<|im_end|>\n' }}{%- endif %}{%- for message in messages %}{%- if message.role == 'user' "
+        "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+        "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a "
+        "helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}{%- if message.role == 'user' "
         "or (message.role == 'system' and not loop.first) or message.role == 'assistant' %}{{- '<|im_start|>' + "
-        "message.role + '\n' + message.content + '<|im_end|>' + '\n' }}{%- endif %}{%- endfor %}{%- if "
-        "add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")),
+        "message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}{%- endfor %}{%- if "
+        "add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")),
     "llama-3.2-1b": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], (
         "{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
-        "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}{%- if "
-        "add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")),
+        "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}{%- if "
+        "add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")),
 }
 
 

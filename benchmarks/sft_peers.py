@@ -46,6 +46,8 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
                                              target_modules=LORA_TARGETS))
     record["phases"]["model_prepare"] = time.perf_counter() - start
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if args.chat_template:  # TRL reads the markers off the tokenizer's own template (SFTTrainer.__init__)
+        tokenizer.chat_template = Path(args.chat_template).read_text()
     start = time.perf_counter()
     data = datasets.load_dataset("json", data_files=args.data, split="train")
     record["phases"]["data_load"] = time.perf_counter() - start
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
         bf16=bf16, optim="adamw_torch_fused", dataloader_num_workers=0, seed=42, data_seed=42,
         max_length=args.max_length, packing=args.packing, padding_free=args.padding_free,
-        assistant_only_loss=args.chat_template is not None, chat_template_path=args.chat_template,
+        assistant_only_loss=args.chat_template is not None,
         train_sampling_strategy=args.order, dataset_num_proc=None, shuffle_dataset=False)
     record["settings"] = {"bf16": bf16, "packing": args.packing, "padding_free": args.padding_free,
                           "assistant_only_loss": config.assistant_only_loss, "order": args.order}

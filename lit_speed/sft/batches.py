@@ -40,18 +40,25 @@ class ExampleBatches(torch.utils.data.Dataset):
 
 
 class Layout:
-    """An epoch of ``examples`` cut into batches of ``batch_size`` items, ``packed`` into rows of ``capacity``
-    positions or ``padded`` (length-grouped)."""
+    """An epoch of ``examples`` in batches of ``batch_size`` examples: ``padded`` (length-grouped), or ``packed`` into
+    rows of ``capacity`` positions, as many rows per batch as hold ``batch_size`` examples on average.
+
+    So both layouts make the same optimizer steps per epoch over the same examples per step (on average): choosing
+    one is a matter of speed, not of the batch the optimizer sees (TRL's ``packing=True`` counts rows instead, and
+    its steps hold several times the tokens).
+    """
 
     def __init__(self, examples: TokenizedExamples, batch_size: int, capacity: int, packed: bool) -> None:
-        self.examples, self.batch_size, self.capacity, self.packed = examples, batch_size, capacity, packed
+        self.examples, self.capacity, self.packed = examples, capacity, packed
         self.rows = pack_best_fit(examples.positions(), capacity) if packed else None
+        self.examples_per_batch = batch_size
+        self.batch_size = max(1, round(len(self.rows) * batch_size / max(len(examples), 1))) if packed else batch_size
         self.item_positions = (np.array([examples.positions()[r].sum() for r in self.rows]) if packed
                                else examples.positions())
         # the sampler's ``batching`` (one object: the sampler is rebuilt when it changes): length groups for
         # ``padded``, consecutive slices (None) for packed rows, which are all about as long
-        self.batching = None if packed else partial(_grouped, self.item_positions, batch_size, GROUP_BATCHES)
-        self.in_order = partial(in_order, batch_size)  # shuffle=False's batching (one object, as above)
+        self.batching = None if packed else partial(_grouped, self.item_positions, self.batch_size, GROUP_BATCHES)
+        self.in_order = partial(in_order, self.batch_size)  # shuffle=False's batching (one object, as above)
 
     @property
     def name(self) -> str:

@@ -9,6 +9,7 @@ real positions) and, for packed rows, ``position_ids`` restarting at every examp
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -57,7 +58,8 @@ class SFTDataModule(ResumableOrderHooks, pl.LightningDataModule):
         overlong: ``truncate`` (keep the start) or ``drop`` examples longer than ``max_length``.
         packing: ``True`` (rows of several examples, attention kept inside each), ``False`` (length-grouped
             padding) or ``auto``: the faster for this run, timed on the model at fit start (:mod:`packing_choice`).
-        batch_size: Items per micro-batch: examples, or packed rows of up to ``max_length`` positions.
+        batch_size: Examples per micro-batch (packed: the rows of ``max_length`` positions that hold that many
+            examples on average, so both layouts make the same steps over the same examples).
         shuffle: Draw each epoch's order at random (resumable, as ``shuffle=True``); ``False``: the data's order
             (examples as they are in the files, packed rows as packed), e.g. data already ordered by a curriculum.
         samples: Validation prompts whose greedy responses :class:`~lit_speed.sft.response_samples.ResponseSamples`
@@ -192,7 +194,8 @@ class SFTDataModule(ResumableOrderHooks, pl.LightningDataModule):
             fewer = packed if packed.positions()[0] < padded.positions()[0] else padded
             self.layout, self.packing_reason = fewer, "fewer positions to compute (not timed: no model)"
             return self.layout
-        key = {"model": type(module).__name__, "config": str(getattr(getattr(module, "model", None), "config", "")),
+        config = str(getattr(getattr(module, "model", None), "config", ""))  # the architecture's dimensions
+        key = {"model": type(module).__name__, "config": hashlib.sha256(config.encode()).hexdigest()[:16],
                "precision": type(self.trainer.precision_plugin).__name__, "max_length": self.max_length}
         decision = choose_packing(module.batch_loss, packed, padded, self.pad_id, key,
                                   self.trainer.precision_plugin.forward_context, module.device)
@@ -205,7 +208,7 @@ class SFTDataModule(ResumableOrderHooks, pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         layout = self._layout()
         batching = layout.batching if self.hparams.shuffle else layout.in_order
-        sampler = self.train_order.sampler_for(len(layout), self.batch_size, False, self.trainer, batching)
+        sampler = self.train_order.sampler_for(len(layout), layout.batch_size, False, self.trainer, batching)
         return ResumableDataLoader(BatchFetch(layout.dataset(self.pad_id)), sampler=sampler, batch_size=None,
                                    **self.loader.kwargs(preloaded=False, trainer=self.trainer))
 
@@ -249,8 +252,9 @@ class SFTDataModule(ResumableOrderHooks, pl.LightningDataModule):
                            f" {c['dropped_untrained']} dropped (no trained token left)"}
         if self.layout is not None or self.packing != "auto":
             layout = self._layout()
+            per = f", {layout.batch_size} rows per batch" if layout.packed else ""
             rows["batching"] = (f"{layout.name} ({self.packing_reason}): {len(layout):,} "
-                                f"{'rows' if layout.packed else 'examples'}, {layout.padding_share():.1%} padding")
+                                f"{'rows' if layout.packed else 'examples'}{per}, {layout.padding_share():.1%} padding")
         else:
             rows["batching"] = "packing=auto: packed rows or length-grouped padding, timed on the model at fit start"
         return rows
