@@ -30,7 +30,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _common import write_result  # noqa: E402
+from _common import RESULTS, write_result  # noqa: E402
 from bench_real_size import TIME_V, run_sampled, time_v  # noqa: E402
 from model_folders import CHAT, build  # noqa: E402
 
@@ -178,7 +178,22 @@ SPEED_ROWS: dict[str, tuple[str, list[str]]] = {
     "lit_speed/default": ("lit", []),
     "lit_speed/packed": ("lit", ["data.packing=true"]),
     "lit_speed/padded": ("lit", ["data.packing=false"]),
+    # the memory lever TRL's SFTConfig has on by default (gradient_checkpointing=True): the decoder layers recomputed
+    "lit_speed/checkpointing": ("lit", ["callbacks=[default,chunked_loss,activation_checkpointing]",
+                                        "callbacks.chunked_loss.chunk_mib=128"]),
 }
+
+
+def rows_per_batch(model: Path, data: Path, args: argparse.Namespace) -> int:
+    """Packed rows of ``--max-length`` that hold ``--micro`` examples of ``data`` on average (lit_speed's packed
+    layout's rule), so TRL's packing row trains the same tokens per step as the others."""
+    from lit_speed.sft import SFTDataModule
+    from lit_speed.sft.batches import Layout
+
+    dm = SFTDataModule(str(data), tokenizer=str(model), cache_dir=str(WORK / "lit_cache"), max_length=args.max_length,
+                       batch_size=args.micro, val_source=str(data))
+    dm.setup()
+    return Layout(dm.train_examples, args.micro, args.max_length, packed=True).batch_size
 
 
 def speed(args: argparse.Namespace) -> None:
@@ -192,11 +207,13 @@ def speed(args: argparse.Namespace) -> None:
     template = WORK / "qwen2_5_generation.jinja"
     template.write_text(GENERATION_TEMPLATE)
     bf16 = native_bf16()
+    packed_rows = rows_per_batch(model, data, args)  # TRL's packing counts rows: the rows that hold --micro examples
     rows = []
     for name in args.rows or list(SPEED_ROWS):
         tool, extra = SPEED_ROWS[name]
         out = WORK / "speed" / name.replace("/", "_")
-        shared = (model, data, out, args.steps, args.micro, args.max_length, args.r, args.lr)
+        micro = packed_rows if name == "trl/packing" else args.micro
+        shared = (model, data, out, args.steps, micro, args.max_length, args.r, args.lr)
         if tool == "trl":
             cmd = trl_command(*shared, ["--precision", "bf16" if bf16 else "fp32", "--chat-template", str(template),
                                         "--clip", "1.0", *extra])
@@ -212,7 +229,7 @@ def speed(args: argparse.Namespace) -> None:
             row.update(steady_trained_tokens_per_s=round(sum(t[1] for t in timed) / seconds, 2),
                        steady_positions_per_s=round(sum(t[2] for t in timed) / seconds, 2),
                        padding_share=round(1 - sum(t[3] for t in timed) / sum(t[2] for t in timed), 4),
-                       trained_per_step=round(sum(t[1] for t in timed) / len(timed), 1))
+                       trained_per_step=round(sum(t[1] for t in timed) / len(timed), 1), micro=micro)
         rows.append(row)
     ok = {r["name"]: r for r in rows if r["exit"] == 0}
     trl = [r for n, r in ok.items() if n.startswith("trl/")]
@@ -234,10 +251,36 @@ def speed(args: argparse.Namespace) -> None:
                      f"{r['padding_share']:.0%}" for r in ok.values())
     line += "; " + "; ".join(f"{n} vs TRL: tok/s x{v['tokens_per_s_vs_trl_fastest']}, RSS x{v['peak_rss_vs_trl_lowest']}"
                              f", launch-to-export x{v['launch_to_end_vs_trl_quickest']}" for n, v in ratios.items())
+    picture(rows, RESULTS / f"sft_speed{args.tag}.png")
     write_result(f"sft_speed{args.tag}", {"rows": rows, "ratios": ratios, "model": MODEL, "bf16": bf16,
                                           "settings": vars(args)},
                  f"{MODEL} dims, LoRA r={args.r}, {args.steps} steps of {args.micro} items <= {args.max_length} tokens, "
                  f"{'bf16 autocast' if bf16 else 'fp32'}, no validation, beside TRL SFTTrainer: {line}")
+
+
+def picture(rows: list[dict[str, Any]], path: Path) -> None:
+    """Loss against wall time from launch (each step at the time it ended), and peak RSS, per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("exit") == 0 and r.get("loss")]
+    fig, (loss_ax, rss_ax) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    for r in ok:
+        before = r["launch_to_end_s"] - sum(r["step_s"]) - (r.get("phases") or {}).get("export", 0.0)
+        ends, clock = [], before
+        for seconds in r["step_s"]:
+            clock += seconds
+            ends.append(clock)
+        loss_ax.plot(ends, r["loss"], marker=".", label=r["name"])
+    loss_ax.set_xlabel("seconds from launch (the start-up before the first step estimated as the rest)")
+    loss_ax.set_ylabel("training loss per step")
+    loss_ax.legend(fontsize=7)
+    rss_ax.barh([r["name"] for r in ok], [r["peak_rss_bytes"] / 2**30 for r in ok])
+    rss_ax.set_xlabel("peak RSS (GiB, /usr/bin/time -v)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,7 +294,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--r", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--picture", type=Path, help="only draw the PNG of a speed result JSON (results/*.json)")
     args = parser.parse_args(argv)
+    if args.picture:
+        picture(json.loads(args.picture.read_text())["results"]["rows"], args.picture.with_suffix(".png"))
+        return
     {"equivalence": equivalence, "speed": speed}[args.suite](args)
 
 

@@ -26,25 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from real_size_peers import LORA_TARGETS, native_bf16, since_launch  # noqa: E402
+from real_size_peers import load, native_bf16, since_launch  # noqa: E402
 
 
 def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
     import datasets
-    import lightning.pytorch as pl
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    pl.seed_everything(42)
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
-    record["phases"]["model_load"] = time.perf_counter() - start
-    start = time.perf_counter()
-    model = get_peft_model(model, LoraConfig(r=args.r, lora_alpha=2 * args.r, lora_dropout=0.0,
-                                             target_modules=LORA_TARGETS))
-    record["phases"]["model_prepare"] = time.perf_counter() - start
+    args.mode = "lora"
+    model = load(args, record)  # seed_everything(42), the float32 model, peft's LoRA on every linear but the head
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if args.chat_template:  # TRL reads the markers off the tokenizer's own template (SFTTrainer.__init__)
         tokenizer.chat_template = Path(args.chat_template).read_text()

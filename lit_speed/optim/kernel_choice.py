@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from lit_speed.compat.torch import cpu_has_native_bf16
 from lit_speed.tuning.measured_choice import Decision, measured_choice
 
 ADAMW_KERNELS = ("fused", "foreach", "for-loop")
@@ -68,7 +69,14 @@ def choose_ns_dtype(shapes: Sequence[Sequence[int]], orthogonalise: Callable[[Te
                     device: torch.device | str = "cpu", default: str = "bfloat16", key: dict[str, Any] | None = None
                     ) -> Decision:
     """Time Muon's Newton-Schulz (``orthogonalise(stack, dtype)``, e.g. ``BatchedMuon``'s) on stacks of these
-    ``(n, rows, cols)`` shapes in each of :data:`NS_DTYPES`; ``key`` adds what else the timing depends on (steps)."""
+    ``(n, rows, cols)`` shapes in each of :data:`NS_DTYPES`; ``key`` adds what else the timing depends on (steps).
+
+    On a CPU without native bf16 kernels (oneDNN's check: no AVX512-BF16 or AMX) bfloat16 is ruled out untimed: its
+    matmuls are emulated there, 57-507x slower (a Zen3: 949.6 ms a call against 15.5 ms in float32), and timing them
+    would cost more than the run saves."""
+    if torch.device(device).type == "cpu" and not cpu_has_native_bf16():
+        return Decision("optimizer.ns_dtype", "float32", "bfloat16 ruled out, not timed: this CPU has no native bf16 "
+                                                         "kernels (no AVX512-BF16/AMX)", {"bfloat16": None})
     stacks = [torch.randn(tuple(s), device=device) for s in shapes]
 
     def run_in(dtype: torch.dtype) -> Callable[[], None]:

@@ -187,10 +187,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     summary = parts["run_summary"].summary(trainer)
     after: dict[str, float] = {}
     if cfg.get("validate") and not trainer.interrupted and not trainer.fast_dev_run and not stop_signal_received(trainer):
-        validating = time.perf_counter()
-        val = trainer.validate(model, datamodule=dm, verbose=False)
-        summary["final_val"] = {k: float(v) for k, v in (val[0] if val else {}).items()}
-        after["final_validation"] = time.perf_counter() - validating
+        last = parts["run_summary"].last_validation
+        if last is not None and last[0] == trainer.global_step and last[1]:
+            # the fit validated these very weights at its last step: the final validation is that one, not a repeat
+            summary["final_val"], summary["final_val_from"] = dict(last[1]), f"the fit's validation at step {last[0]}"
+            after["final_validation"] = 0.0
+        else:
+            validating = time.perf_counter()
+            val = trainer.validate(model, datamodule=dm, verbose=False)
+            summary["final_val"] = {k: float(v) for k, v in (val[0] if val else {}).items()}
+            after["final_validation"] = time.perf_counter() - validating
     if (late := stop_signal_received(trainer)) is not None:  # SIGTERM/SIGUSR1 after the last training batch
         raise RunStopped(*late)
     extras = workload_extras(parts)

@@ -74,6 +74,8 @@ class RunSummary(Callback):
         self._batch_start = 0.0
         self.val_time = 0.0
         self.sanity_time = 0.0
+        # (optimizer step, val metrics) of the fit's last validation: a final validation at that step would repeat it
+        self.last_validation: tuple[int, dict[str, float]] | None = None
         self.wall_time = 0.0
         self.phases: dict[str, float] = {}
         self.batch_seconds: list[float] = []
@@ -138,6 +140,9 @@ class RunSummary(Callback):
             self.sanity_time += spent
             return
         self.val_time += spent
+        if trainer.state.fn == "fit":  # the fit's own validations, not trainer.validate()'s
+            self.last_validation = (trainer.global_step, {k: float(v) for k, v in trainer.callback_metrics.items()
+                                                          if k.startswith("val")})
         if self.monitor is None:
             return
         value = trainer.callback_metrics.get(self.monitor)

@@ -22,10 +22,8 @@ GROUP_BATCHES = 64
 class ExampleBatches(torch.utils.data.Dataset):
     """Examples (``padded``) or packed rows (``packed``) of ``examples``, collated a batch at a time."""
 
-    def __init__(self, examples: TokenizedExamples, pad_id: int, rows: Sequence[Sequence[int]] | None = None,
-                 pad_to_multiple_of: int = 1) -> None:
+    def __init__(self, examples: TokenizedExamples, pad_id: int, rows: Sequence[Sequence[int]] | None = None) -> None:
         self.examples, self.pad_id, self.rows = examples, pad_id, rows
-        self.pad_to_multiple_of = pad_to_multiple_of
 
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else len(self.examples)
@@ -35,7 +33,7 @@ class ExampleBatches(torch.utils.data.Dataset):
 
     def get_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         if self.rows is None:
-            return collate_padded([self.examples.example(i) for i in indices], self.pad_id, self.pad_to_multiple_of)
+            return collate_padded([self.examples.example(i) for i in indices], self.pad_id)
         return collate_packed([[self.examples.example(i) for i in self.rows[r]] for r in indices], self.pad_id)
 
 
@@ -51,7 +49,6 @@ class Layout:
     def __init__(self, examples: TokenizedExamples, batch_size: int, capacity: int, packed: bool) -> None:
         self.examples, self.capacity, self.packed = examples, capacity, packed
         self.rows = pack_best_fit(examples.positions(), capacity) if packed else None
-        self.examples_per_batch = batch_size
         self.batch_size = max(1, round(len(self.rows) * batch_size / max(len(examples), 1))) if packed else batch_size
         self.item_positions = (np.array([examples.positions()[r].sum() for r in self.rows]) if packed
                                else examples.positions())
@@ -70,14 +67,16 @@ class Layout:
     def dataset(self, pad_id: int) -> ExampleBatches:
         return ExampleBatches(self.examples, pad_id, self.rows)
 
-    def positions(self, order: Sequence[int] | None = None) -> tuple[int, int]:
-        """``(positions computed, real positions)`` of one epoch in ``order`` (default: length-sorted groups of a
-        fixed shuffle): a batch computes ``items x its longest item``."""
-        if order is None:
-            order = np.random.default_rng(0).permutation(len(self)).tolist()
+    def epoch_batches(self) -> list[np.ndarray]:
+        """The batches of one epoch in a fixed shuffle (what a shuffled epoch looks like, for counting)."""
+        order = np.random.default_rng(0).permutation(len(self)).tolist()
         batches = (_grouped(self.item_positions, self.batch_size, GROUP_BATCHES, order, 0) if not self.packed else
                    [order[b:b + self.batch_size] for b in range(0, len(order), self.batch_size)])
-        computed = sum(len(b) * int(self.item_positions[b].max()) for b in map(np.asarray, batches))
+        return [np.asarray(b) for b in batches]
+
+    def positions(self) -> tuple[int, int]:
+        """``(positions computed, real positions)`` of one epoch: a batch computes ``items x its longest item``."""
+        computed = sum(len(b) * int(self.item_positions[b].max()) for b in self.epoch_batches())
         return computed, int(self.item_positions.sum())
 
     def padding_share(self) -> float:

@@ -132,9 +132,12 @@ class TokenizedExamples:
         if len(self):
             return
         c = self.counts
-        why = [f"{c['dropped_overlong']} longer than max_length={self.max_length} were dropped (data.overlong=drop)"]
-        why = (why if c["dropped_overlong"] else []) + [f"{c['dropped_untrained']} had no trained token within "
-                                                        f"max_length={self.max_length}"] * bool(c["dropped_untrained"])
+        why = []
+        if c["dropped_overlong"]:
+            why.append(f"{c['dropped_overlong']} longer than max_length={self.max_length} were dropped "
+                       "(data.overlong=drop)")
+        if c["dropped_untrained"]:
+            why.append(f"{c['dropped_untrained']} had no trained token within max_length={self.max_length}")
         fix = "data.overlong=truncate, or a larger data.max_length" if c["dropped_overlong"] else \
             "a larger data.max_length (the responses start after it)"
         raise DataError(f"{setting}: no {what} example is left of {c['records']}: {'; '.join(why)}. Fix: {fix}")

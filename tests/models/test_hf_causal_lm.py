@@ -235,7 +235,9 @@ def test_summary_splits_launch_to_end_into_phases_that_add_up(tmp_path, hf_folde
     assert all(v >= 0 for v in split.values()), split
     # what this run did took time: imports, a model from disk, 8 steps, 2 validations, 2 checkpoints, one export
     assert all(split[k] > 0 for k in ("startup", "model_load", "model_prepare", "training", "sanity", "validation",
-                                      "checkpoints", "export", "final_validation")), split
+                                      "checkpoints", "export")), split
+    # the second validation was at the last step: the final validation is that one (same weights), not run again
+    assert split["final_validation"] == 0 and summary["final_val_from"] == "the fit's validation at step 8", summary
     assert abs(sum(split.values()) - summary["launch_to_end_s"]) < 0.02 * len(split)  # rounding of each phase
     # the process's own clock, inside the wall time seen from outside (its start is known to a clock tick, 10 ms)
     assert summary["launch_to_end_s"] <= outside + 0.01

@@ -126,3 +126,24 @@ def test_on_two_processes_rank_zero_decides_for_both(tmp_path):
 
     mp.spawn(_rank_decides, args=(free_port(), str(tmp_path)), nprocs=2)
     assert [torch.load(tmp_path / f"{r}.pt") for r in range(2)] == ["fused", "fused"]
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_newton_schulz_is_not_timed_on_a_cpu_without_bf16_kernels(monkeypatch, tmp_path, native):
+    # issue 52: a candidate the machine's own facts rule out costs no timing (Zen3: 949.6 ms a bf16 call vs 15.5 fp32)
+    from lit_speed.optim import kernel_choice
+
+    monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernel_choice, "cpu_has_native_bf16", lambda: native)
+    timed = []
+
+    def orthogonalise(stack, dtype):
+        timed.append(dtype)
+        return newton_schulz_batched(stack, (3.4445, -4.775, 2.0315), 1, 1e-7, dtype)
+
+    decision = kernel_choice.choose_ns_dtype([(2, 8, 8)], orthogonalise, "cpu")
+    if native:
+        assert torch.bfloat16 in timed and torch.float32 in timed
+    else:
+        assert decision.chosen == "float32" and timed == []
+        assert "bfloat16 ruled out, not timed: this CPU has no native bf16 kernels" in decision.reason

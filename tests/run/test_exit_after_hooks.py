@@ -20,8 +20,11 @@ from lit_speed.run import launch_env
 atexit.register(launch_env.exit_after_exit_hooks)  # first, as in scripts/train.py
 
 class Sentinel:
-    def __del__(self):
-        os.write(1, b"finalized\\n")  # runs only in the interpreter's finalization (module teardown)
+    # runs only in the interpreter's finalization (module teardown); os.write bound now: by then `os` may already be
+    # None in __main__ (its names are cleared in order once something, e.g. dill, which torch imports when it is
+    # installed, holds __main__ alive)
+    def __del__(self, write=os.write):
+        write(1, b"finalized\\n")
 
 SENTINEL = Sentinel()
 atexit.register(lambda: os.write(1, b"user hook\\n"))  # a run's own hook (a logger's finish), registered later
@@ -81,8 +84,8 @@ from lit_speed.run.launch_env import end_distributed_process
 atexit.register(lambda: os.write(1, b"imported hook\\n"))  # registered at import, before the run (logging's is)
 
 class Sentinel:
-    def __del__(self):
-        os.write(1, b"finalized\\n")
+    def __del__(self, write=os.write):  # bound now: see SCRIPT
+        write(1, b"finalized\\n")
 
 SENTINEL = Sentinel()
 import torch, torch.distributed as dist

@@ -69,3 +69,21 @@ def test_an_epoch_packed_and_an_epoch_padded_train_on_the_same_response_tokens(m
         assert summary["startup"]["batching"].startswith("packed" if packing == "true" else "padded")
         trained[packing] = summary["sft_trained_tokens"]
     assert trained["true"] == trained["false"] > 0
+
+
+@pytest.mark.parametrize("levers", [
+    ["peft=head_only"],
+    ["peft=none", "callbacks=[model_checkpoint,activation_checkpointing,chunked_loss]", "optimizer=adamw8bit"],
+    ["peft.base_dtype=int8", "callbacks=[model_checkpoint,chunked_loss]"],
+    ["peft.base_dtype=bf16", "precision=bf16-mixed", "callbacks=[model_checkpoint,chunked_loss]"],
+], ids=["head_only", "full+checkpointing+8bit", "int8_base", "bf16_base+bf16-mixed"])
+def test_every_fine_tuning_mode_and_memory_lever_trains_on_instruction_data(make_cfg, tmp_path, chat_model, examples,
+                                                                          levers):
+    keys = {lever.partition("=")[0] for lever in levers}
+    other_peft = "peft" in keys  # peft=head_only|none: none of LoRA's keys
+    base = overrides(chat_model, examples["chat"], tmp_path, "data.samples=1")
+    args = [a for a in base if a.partition("=")[0] not in keys and not (other_peft and a.startswith("peft."))]
+    args += levers + ([] if other_peft else ["peft.export=false"])
+    summary = train(make_cfg(args))
+    assert summary["global_step"] == 4 and math.isfinite(summary["final_val"]["val/loss"])
+    assert summary["sft_trained_tokens"] > 0 and summary["startup"]["loss on"].startswith("responses: ")
