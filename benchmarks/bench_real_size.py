@@ -120,6 +120,8 @@ SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
         # the Trainer's own compile flag (torch_compile=True: the whole model through torch.compile)
         "lora05/trainer_compile": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "compile"),
         "lora05/lightning": ("lora05", "qwen2.5-0.5b", "lora", 8, "lightning", "speed"),
+        # the command a user types (no speed flags): its sanity check, final validation and export as configured
+        "lora05/lit_speed_default": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", []),
         "lora05/lit_speed_eager": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA_EAGER),
         "lora05/lit_speed": ("lora05", "qwen2.5-0.5b", "lora", 8, "lit", LIT_LORA),
         # the Trainer rows' job: train and export, no validation (lit_speed's final validation is work they skip)

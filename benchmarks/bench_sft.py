@@ -105,7 +105,8 @@ def run(name: str, cmd: list[str], out: Path) -> dict[str, Any]:
     proc, timeline = run_sampled([*TIME_V, *cmd], env, out)
     row: dict[str, Any] = {"name": name, "command": " ".join(cmd[1:]), "exit": proc.returncode,
                            "wall_s": round(time.time() - start, 2), **time_v(proc.stderr),
-                           "rss_peak_at_s": timeline["peak_at_s"]}
+                           "rss_peak_at_s": timeline["peak_at_s"], "rss_peak_anon_mib": timeline["peak_anon_mib"],
+                           "rss_peak_file_mib": timeline["peak_file_mib"], "rss_mib_per_s": timeline["mib_per_s"]}
     if proc.returncode != 0:
         row["error"] = proc.stderr[-3000:]
         print(f"{name}: exit {proc.returncode}\n{row['error']}")
@@ -181,6 +182,10 @@ SPEED_ROWS: dict[str, tuple[str, list[str]]] = {
     # the memory lever TRL's SFTConfig has on by default (gradient_checkpointing=True): the decoder layers recomputed
     "lit_speed/checkpointing": ("lit", ["callbacks=[default,chunked_loss,activation_checkpointing]",
                                         "callbacks.chunked_loss.chunk_mib=128"]),
+    # the preset's packed rows with the decoder layers checkpointed: TRL's default memory lever on lit_speed's layout
+    "lit_speed/packed_checkpointing": ("lit", ["data.packing=true",
+                                               "callbacks=[default,chunked_loss,activation_checkpointing]",
+                                               "callbacks.chunked_loss.chunk_mib=128"]),
 }
 
 

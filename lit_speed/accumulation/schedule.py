@@ -109,10 +109,11 @@ def check_divisible(effective_batch: Mapping[int, int], micro_batch: int, world_
     unit = micro_batch * world_size
     for key, value in effective_batch.items():
         if value % unit:
-            lower, upper = max(unit, value // unit * unit), (value // unit + 1) * unit
+            lower, upper = value // unit * unit, (value // unit + 1) * unit
+            nearest = f"{lower} or {upper}" if lower else f"{upper}"  # below one micro-batch: only the one above
             raise ValueError(
                 f"{name}[{key}] = {value} is not divisible by micro_batch ({micro_batch}) x world size "
-                f"({world_size}) = {unit}; use {lower} or {upper}, or change the micro-batch")
+                f"({world_size}) = {unit}; use {nearest}, or change the micro-batch")
 
 
 def schedule_plan(schedule: Mapping[int, int], in_factors: bool, unit: str, ramp: str, micro_batch: int | None,

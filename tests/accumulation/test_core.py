@@ -179,3 +179,10 @@ def test_schedule_plan_refuses_an_effective_batch_the_micro_batch_does_not_divid
     with pytest.raises(ValueError, match=r"effective_batch\[0\] = 100 is not divisible by micro_batch \(64\) x world "
                                          r"size \(1\) = 64; use 64 or 128"):
         schedule_plan({0: 100}, False, "step", ramp, 64, 1)
+
+
+def test_an_effective_batch_below_one_micro_batch_names_the_one_value_that_works():
+    # charlm_fast's 12 at digits' micro-batch 64 once read "use 64 or 64"
+    with pytest.raises(ValueError, match=r"effective_batch\[0\] = 12 is not divisible by micro_batch \(64\) x world "
+                                         r"size \(1\) = 64; use 64, or change the micro-batch"):
+        schedule_plan({0: 12, 200: 24}, False, "step", "step", 64, 1)

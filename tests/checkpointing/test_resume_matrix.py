@@ -42,7 +42,11 @@ PRESET = ["trainer.max_steps=12", "trainer.val_check_interval=4", "trainer.limit
           "logger=none", "validate=false", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 # windows early enough for a few-step run: digits 64 -> 128 samples per step from step 2; presets 12 -> 24 at 4
 ACCUMULATION = {"fixed": ["accumulation.factors=[[0,4]]"],
-                "ramp": ["accumulation.factors=null", "accumulation.effective_batch=[[0,64],[2,128]]"]}
+                "ramp": ["accumulation.factors=null", "accumulation.effective_batch=[[0,64],[2,128]]"],
+                # the charlm preset's schedule (12 -> 24 at step 200, a step) on digits' batch of 64: 64 -> 128 at 2
+                "charlm_fast": ["accumulation.effective_batch=[[0,64],[2,128]]"]}
+#: the kill and SIGTERM points of an accumulation option: those of the schedule it runs here
+SCHEDULE = {"fixed": "fixed", "ramp": "ramp", "charlm_fast": "ramp"}
 PRESET_ACCUMULATION = ["accumulation.effective_batch=[[0,12],[4,24]]"]
 # SIGTERM after this many training batches lands inside a window: fixed 4 -> batch 14 is the 2nd of the window
 # 13-16; ramp 1,1 then 2 per step -> batch 9 opens the window 9-10; presets 1 x4 then 2 -> batch 7 opens 7-8
@@ -127,7 +131,7 @@ def _cases() -> list:
                 continue
             seen.add("default" if option == DEFAULTS[group] else f"{group}={option}")
             overrides = [f"{group}={option}"] + (ACCUMULATION.get(option, []) if group == "accumulation" else [])
-            schedule = option if group == "accumulation" and option in ACCUMULATION else "none"
+            schedule = SCHEDULE[option] if group == "accumulation" and option in SCHEDULE else "none"
             name = "default" if option == DEFAULTS[group] else f"{group}={option}"
             cases.append(pytest.param(DIGITS + overrides, KILL_STEP[schedule], None, id=f"{name}-sigkill",
                                       marks=[pytest.mark.slow]))

@@ -73,9 +73,12 @@ def test_an_epoch_packed_and_an_epoch_padded_train_on_the_same_response_tokens(m
 
 @pytest.mark.parametrize("levers", [
     ["peft=head_only"],
-    ["peft=none", "callbacks=[model_checkpoint,activation_checkpointing,chunked_loss]", "optimizer=adamw8bit"],
+    # the slower levers (12-45 s each on 2 cores) in the slow tier: the default tier keeps the cheapest of each kind
+    pytest.param(["peft=none", "callbacks=[model_checkpoint,activation_checkpointing,chunked_loss]",
+                  "optimizer=adamw8bit"], marks=pytest.mark.slow),
     ["peft.base_dtype=int8", "callbacks=[model_checkpoint,chunked_loss]"],
-    ["peft.base_dtype=bf16", "precision=bf16-mixed", "callbacks=[model_checkpoint,chunked_loss]"],
+    pytest.param(["peft.base_dtype=bf16", "precision=bf16-mixed", "callbacks=[model_checkpoint,chunked_loss]"],
+                 marks=pytest.mark.slow),
 ], ids=["head_only", "full+checkpointing+8bit", "int8_base", "bf16_base+bf16-mixed"])
 def test_every_fine_tuning_mode_and_memory_lever_trains_on_instruction_data(make_cfg, tmp_path, chat_model, examples,
                                                                           levers):
