@@ -51,6 +51,9 @@ PRESET_ACCUMULATION = ["accumulation.effective_batch=[[0,12],[4,24]]"]
 # SIGTERM after this many training batches lands inside a window: fixed 4 -> batch 14 is the 2nd of the window
 # 13-16; ramp 1,1 then 2 per step -> batch 9 opens the window 9-10; presets 1 x4 then 2 -> batch 7 opens 7-8
 MID_WINDOW = {"fixed": 14, "ramp": 9, "preset": 7}
+# the shrunk preset for experiment=sft_lora: no corpus to cap, and its chunked loss kept (the preset sets its chunk)
+SFT_PRESET = [*(a for a in PRESET if not a.startswith(("data.max_bytes=", "callbacks="))),
+              "callbacks=[model_checkpoint,fault_tolerance,chunked_loss]"]
 # odd: the checkpoint before it is one step back (fixed: step 2, written at epoch 1's last batch)
 KILL_STEP = {"none": 13, "fixed": 4, "ramp": 7, "preset": 7}
 # options that are a key or a callback rather than a group option (issue 32's memory levers): name -> overrides
@@ -72,10 +75,8 @@ LEVERS = {"peft=lora peft.base_dtype=bf16": DIGITS + ["peft=lora", "peft.base_dt
               "experiment=charlm_cpu", *[a for a in PRESET if not a.startswith("callbacks=")],
               "callbacks=[model_checkpoint,fault_tolerance,chunked_loss]", "callbacks.chunked_loss.chunk_mib=auto"],
           # data=sft's two layouts named (the preset's row runs packing=auto: timed, saved, kept on resume)
-          "experiment=sft_lora data.packing=true": [
-              "experiment=sft_lora", *[a for a in PRESET if not a.startswith("data.max_bytes=")], "data.packing=true"],
-          "experiment=sft_lora data.packing=false": [
-              "experiment=sft_lora", *[a for a in PRESET if not a.startswith("data.max_bytes=")], "data.packing=false"]}
+          "experiment=sft_lora data.packing=true": ["experiment=sft_lora", *SFT_PRESET, "data.packing=true"],
+          "experiment=sft_lora data.packing=false": ["experiment=sft_lora", *SFT_PRESET, "data.packing=false"]}
 
 
 def _tiny_llama(tmp_path: Path) -> list[str]:
@@ -103,7 +104,9 @@ def _tiny_chat_llama(tmp_path: Path) -> list[str]:
 #: presets whose shipped folder is built on demand: what their rows add (from the test's temporary folder)
 PRESET_STAND_INS = {"finetune_1b_lora": _tiny_llama, "sft_lora": _tiny_chat_llama}
 #: PRESET keys a preset's data option does not take (data=sft has no corpus to cap)
-PRESET_DROPS = {"sft_lora": ("data.max_bytes=",)}
+PRESET_DROPS = {"sft_lora": ("data.max_bytes=", "callbacks=")}
+#: what a preset's row adds after the drops (sft_lora: SFT_PRESET's callbacks)
+PRESET_ADDS = {"sft_lora": SFT_PRESET[-1:]}
 
 
 def options(group: str) -> list[str]:
@@ -143,7 +146,8 @@ def _cases() -> list:
                                   id=f"{name}-sigkill", marks=[pytest.mark.slow]))
     for preset in options("experiment"):
         shrunk = [a for a in PRESET if not a.startswith(PRESET_DROPS.get(preset, ("-",)))]
-        overrides = [f"experiment={preset}", *shrunk] + (PRESET_ACCUMULATION if _preset_accumulates(preset) else [])
+        overrides = [f"experiment={preset}", *shrunk, *PRESET_ADDS.get(preset, [])] + (
+            PRESET_ACCUMULATION if _preset_accumulates(preset) else [])
         cases.append(pytest.param(overrides, KILL_STEP["preset"], None, id=f"experiment={preset}-sigkill",
                                   marks=[pytest.mark.slow]))
         if _preset_accumulates(preset):
