@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
+from lit_speed.run.config_targets import CONFIG_DIR
 from lit_speed.run.fit_levers import (  # noqa: F401 - re-exported: the fit check's callers import them here
     LEVERS,
     Levers,
@@ -30,27 +31,33 @@ from lit_speed.run.fit_levers import (  # noqa: F401 - re-exported: the fit chec
     configured_levers,
     lever_sets,
     loss_chunk_mib,
-    target_of,
 )
+from lit_speed.strategies.config_facts import config_facts
 
 
 def hf_folder(cfg: DictConfig) -> Path | None:
     """The local model folder of a ``model=hf_causal_lm`` run (None for other models and hub ids)."""
-    model = cfg.get("model")
-    if not target_of(model).endswith("HFCausalLM"):
+    if not config_facts(cfg).hf_model:
         return None
-    folder = Path(str(model.get("pretrained"))).expanduser()
+    folder = Path(str(cfg.model.get("pretrained"))).expanduser()
     return folder if (folder / "config.json").is_file() else None
 
 
+#: ``conf/peft/lora.yaml``: the adapters a lever set that adds ``peft=lora`` trains with.
+LORA_OPTION = CONFIG_DIR / "peft" / "lora.yaml"
+#: The adapters' own keys (others, such as ``export_dir``, may point at ``${hydra:...}``, unset outside a Hydra run).
+_ADAPTER_KEYS = ("method", "target_modules", "r", "alpha", "dropout", "trainable_modules", "options")
+
+
 def _adapter_args(cfg: DictConfig, lora: bool) -> dict[str, Any] | None:
-    peft = cfg.get("peft")
-    if target_of(peft).endswith("PEFTAdapters"):
-        # only the adapter's own keys: others (export_dir) may point at ${hydra:...}, unset outside a Hydra run
-        keys = ("method", "target_modules", "r", "alpha", "dropout", "trainable_modules", "options")
-        return {k: OmegaConf.to_container(peft[k], resolve=True) if isinstance(peft[k], (DictConfig, ListConfig))
-                else peft[k] for k in keys if k in peft}
-    return {"method": "lora", "target_modules": ["all-linear"], "r": 8, "alpha": 16.0} if lora else None
+    """``add_adapters``' arguments: the configured ``PEFTAdapters``', else, for a lever set that adds LoRA, those of
+    the option ``peft=lora`` selects (:data:`LORA_OPTION`)."""
+    peft = config_facts(cfg).adapters
+    if peft is None and not lora:
+        return None
+    peft = peft if peft is not None else OmegaConf.load(LORA_OPTION)
+    return {k: OmegaConf.to_container(peft[k], resolve=True) if isinstance(peft[k], (DictConfig, ListConfig))
+            else peft[k] for k in _ADAPTER_KEYS if k in peft}
 
 
 def _prepare(hf: nn.Module, adapters: dict[str, Any] | None, levers: Levers) -> nn.Module:
@@ -125,8 +132,7 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
     optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if cfg.get("optimizer") else None
     from lit_speed.precision.modes import AUTO, BASELINE, TABLE
 
-    precision = cfg.precision.get("mode", cfg.precision.get("precision", BASELINE)) if cfg.get("precision") \
-        else BASELINE
+    precision = config_facts(cfg).precision_mode or BASELINE
     if precision == AUTO or precision not in TABLE:  # auto decides at the first batch: float32 is its largest case
         precision = BASELINE
     block = data_window(cfg.data)
@@ -180,12 +186,25 @@ def optimizer_bytes_per_param(facts: RunFacts, levers: Levers, trainable: list[n
     if levers.low_bit_states:
         from lit_speed.optim.low_bit import low_bit_state_bytes
 
-        return low_bit_state_bytes(1 << 20, levers.low_bit_states, 256 if levers.low_bit_states == 8 else 128,
+        return low_bit_state_bytes(1 << 20, levers.low_bit_states, low_bit_block_size(levers.low_bit_states),
                                    torch.float32) / (1 << 20)
     if facts.optimizer is None:
         return 8.0  # a model's own optimizer: AdamW's two float32 moments assumed
     declared = state_bytes_per_param(facts.optimizer([p for p in trainable][:1] or [nn.Parameter(torch.zeros(1))]))
     return 8.0 if declared is None else float(declared)
+
+
+def low_bit_block_size(bits: int) -> int:
+    """The block size of ``optimizer=adamw<bits>bit`` (the option a lever set with ``bits``-bit states selects): its
+    ``block_size`` in ``conf/optimizer/``, else its class's default."""
+    option = OmegaConf.load(CONFIG_DIR / "optimizer" / f"adamw{bits}bit.yaml")
+    if option.get("block_size") is not None:
+        return int(option.block_size)
+    import inspect
+
+    from lit_speed.optim.low_bit import AdamW4bit, AdamW8bit
+
+    return int(inspect.signature(AdamW8bit if bits == 8 else AdamW4bit).parameters["block_size"].default)
 
 
 def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool = True) -> tuple[Any, float, float]:
@@ -245,9 +264,9 @@ def export_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> int:
     a Hugging Face model's folder, which these runs are) unless ``peft.export=false``."""
     from lit_speed.finetune.export import EXPORT_SHARD_BYTES
 
-    peft = cfg.get("peft")
-    owner = "PEFTAdapters" if levers.lora else "ExportModel"  # the callback that exports with these levers
-    if target_of(peft).endswith(owner) and peft.get("export", True) is False:
+    facts_of_config = config_facts(cfg)
+    owner = "adapters" if levers.lora else "model"  # the callback that exports with these levers
+    if facts_of_config.exporter == owner and cfg.peft.get("export", True) is False:
         return 0
     return int(min(4 * (facts.frozen + facts.trainable), EXPORT_SHARD_BYTES + 4 * facts.largest))
 

@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_speed.run import fit_check
+from lit_speed.strategies.config_facts import config_facts
 
 
 def trains_on_gpu(cfg: DictConfig) -> bool:
@@ -45,9 +46,8 @@ def gpu_to_judge(cfg: DictConfig) -> int | None:
     more than one process (DDP and ZeRO hold the state per rank differently), or a strategy other than ``auto``."""
     if not trains_on_gpu(cfg):
         return None
-    strategy = cfg.get("strategy")
-    name = str(strategy.get("name", "auto")) if isinstance(strategy, DictConfig) else str(strategy or "auto")
-    if fit_check.target_of(strategy) or name != "auto":
+    strategy = config_facts(cfg).strategy
+    if strategy.built or strategy.name != "auto":
         return None
     devices = OmegaConf.select(cfg, "trainer.devices", default=1)
     nodes = OmegaConf.select(cfg, "trainer.num_nodes", default=1)

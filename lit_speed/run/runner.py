@@ -42,6 +42,7 @@ from lit_speed.run_contract import (
     SummaryReport,
     WorkloadReport,
 )
+from lit_speed.strategies.config_facts import config_facts
 from lit_speed.tables import format_rate, print_table
 
 log = logging.getLogger(__name__)
@@ -87,17 +88,16 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
     trainer_kwargs: dict[str, Any] = {}
     plugins: list[Any] = []
-    precision = cfg.get("precision")
-    if precision is not None and "_target_" in precision:
-        plugins.append(hydra.utils.instantiate(precision))
-    elif precision is not None:
-        trainer_kwargs["precision"] = precision.precision  # a Lightning precision literal
+    facts = config_facts(cfg)
+    if facts.precision_plugin:
+        plugins.append(hydra.utils.instantiate(cfg.precision))
+    elif facts.precision_mode is not None:
+        trainer_kwargs["precision"] = facts.precision_mode  # a Lightning precision literal
 
-    strategy_cfg = cfg.get("strategy")
-    if strategy_cfg is not None and "_target_" in strategy_cfg:
-        trainer_kwargs["strategy"] = hydra.utils.instantiate(strategy_cfg)
-    elif strategy_cfg is not None:
-        trainer_kwargs["strategy"] = strategy_cfg.name  # a Lightning strategy registry name
+    if facts.strategy.built:
+        trainer_kwargs["strategy"] = hydra.utils.instantiate(cfg.strategy)
+    elif cfg.get("strategy") is not None:
+        trainer_kwargs["strategy"] = facts.strategy.name  # a Lightning strategy registry name
 
     # init (weights) before peft (adapters on the loaded base), both before every other callback
     callbacks = [*_instantiate_group(cfg.get("init")), *_instantiate_group(cfg.get("peft")),
