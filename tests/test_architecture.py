@@ -744,3 +744,62 @@ def f(cfg, node, strategy):
 '''
     found = target_string_matches(synthetic, "s.py")
     assert sorted(int(line.split(":")[1]) for line in found) == [6, 9, 9, 12, 14], found
+
+
+# ------------------------------------------------------------------------------------- 5. the config composed once
+#: Runs ``scripts/train.py`` in this interpreter with every Hydra composition (``ConfigLoaderImpl.
+#: load_configuration``: ``compose()``, ``@hydra.main``, a sweep's) and every config check counted into a file.
+COUNTING_DRIVER = '''
+import runpy, sys
+from pathlib import Path
+
+log, script = Path(sys.argv[1]), sys.argv[2]
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+def counted(name, original):
+    def call(*args, **kwargs):
+        with log.open("a") as f:
+            f.write(name + "\\n")
+        return original(*args, **kwargs)
+    return call
+
+ConfigLoaderImpl.load_configuration = counted("compose", ConfigLoaderImpl.load_configuration)
+from lit_speed.run import config_rules
+config_rules.check_config = counted("check", config_rules.check_config)
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(script, run_name="__main__")
+'''
+
+
+def train_script_events(args: list[str], tmp_path: Path) -> tuple[int, list[str], str]:
+    """``(exit status, events, stderr)`` of ``scripts/train.py args`` run through :data:`COUNTING_DRIVER`."""
+    import os
+    import subprocess
+    import sys
+
+    log = tmp_path / "events.txt"
+    repo = ROOT.parent
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "LIT_SPEED_ROOT": str(repo), "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", COUNTING_DRIVER, str(log), str(repo / "scripts" / "train.py"),
+                             *args], cwd=repo, capture_output=True, text=True, timeout=600, env=env)
+    events = log.read_text().split() if log.exists() else []
+    return result.returncode, events, result.stderr
+
+
+def test_a_train_script_run_composes_its_config_once_and_checks_it_once(tmp_path: Path) -> None:
+    tiny = ["trainer.max_steps=1", "trainer.limit_val_batches=0", "validate=false", "logger=none", "callbacks=none",
+            "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", f"hydra.run.dir={tmp_path}"]
+    status, events, stderr = train_script_events(tiny, tmp_path)
+    assert status == 0, stderr[-3000:]
+    assert events.count("compose") == 1, f"the config was composed {events.count('compose')} times: {events}"
+    assert events.count("check") == 1, f"the config was checked {events.count('check')} times: {events}"
+    assert (tmp_path / "summary.json").is_file()
+
+
+def test_a_refused_config_is_refused_before_the_run_starts(tmp_path: Path) -> None:
+    status, events, stderr = train_script_events(["seed=1.5", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert status == 2 and stderr.strip().splitlines()[-1] == ("Config error: seed=1.5: expected an integer or null. "
+                                                              "Fix: seed=42 (or seed=null for no seeding)"), stderr
+    assert events == ["compose", "check"]
+    assert not (tmp_path / "run" / ".hydra").exists()  # the job never began (Hydra writes .hydra/ first)

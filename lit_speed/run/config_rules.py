@@ -259,33 +259,11 @@ def check_callbacks(cfg: DictConfig, facts: ConfigFacts | None = None) -> None:
                               f"(callbacks=[default,{a}] or callbacks=[default,{b}])")
 
 
-#: configs that passed :func:`check_config` in this process (their unresolved YAML): ``scripts/train.py``'s
-#: pre-flight checks the config, and the runner, handed the same config by Hydra, does not check it again
-_PASSED: set[str] = set()
-
-
-def _fingerprint(cfg: DictConfig) -> str:
-    plain = OmegaConf.to_container(cfg, resolve=False)
-    plain.pop("hydra", None)  # Hydra's own node (the pre-flight drops it; @hydra.main never passes it)
-    return OmegaConf.to_yaml(OmegaConf.create(plain))
-
-
 def check_config(cfg: DictConfig, folders: Sequence[Path] = ()) -> None:
     """Every config-only check; raises :class:`ConfigError` on the first failure.
 
-    Once per config and process: a config equal to one that already passed (the pre-flight's, when Hydra hands the
-    runner the same composition) is not checked again; each job of a sweep is checked.
-
     ``folders``: the config search path's folders (``lit_speed.run.config_check.config_folders``), for the fixes.
     """
-    fingerprint = _fingerprint(cfg)
-    if fingerprint in _PASSED:
-        return
-    _check_config(cfg, folders)
-    _PASSED.add(fingerprint)
-
-
-def _check_config(cfg: DictConfig, folders: Sequence[Path]) -> None:
     check_data_model(cfg, folders)  # first: a model without its data also leaves ${data.*} interpolations dangling
     check_interpolations(cfg)
     facts = config_facts(cfg)

@@ -150,14 +150,21 @@ def workload_extras(parts: dict[str, Any]) -> list[SummaryExtra]:
             for extra in part.summary_extras()]
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict."""
+def train(cfg: DictConfig, checked: bool = False) -> dict[str, Any]:
+    """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict.
+
+    Args:
+        cfg: The composed config.
+        checked: The pre-flight has checked ``cfg`` (``scripts/train.py``: the config ``@hydra.main`` composed,
+            checked before the job started): its config-only checks are not run again.
+    """
     t0 = time.perf_counter()
     before = {"startup": seconds_since_launch()}  # imports, Hydra's composition, the pre-flight
     quiet_upstream_notices()  # Lightning's litlogger tip, torch's deprecation of a name Lightning uses
     paths = config_paths(cfg)
     with refusals_as_config_errors(lambda: True, paths):
-        check_config(cfg)  # the config alone: before anything is built
+        if not checked:
+            check_config(cfg)  # the config alone: before anything is built
         check_activation_memory(cfg)  # probes a short-context copy of the model
         check_fits_memory(cfg)  # a Hugging Face model folder: the peak RSS predicted before its weights are read
         before["checks"] = time.perf_counter() - t0

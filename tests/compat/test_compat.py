@@ -591,3 +591,21 @@ def test_datasets_offline_switch_is_the_module_value_load_dataset_reads(tmp_path
     with hub_offline(True), pytest.raises(ConnectionError, match="OfflineModeIsEnabled"):
         datasets.load_dataset("nobody/no-such-dataset", cache_dir=str(tmp_path))
     assert time.perf_counter() - start < 10 and datasets.config.HF_HUB_OFFLINE == before
+
+
+def test_hydra_main_still_composes_in_get_mode_then_in_run() -> None:
+    # on_main_composition answers Hydra.get_mode's composition (multirun mode, sweeps not validated) with the run's
+    # own, then hands it to Hydra.run, with the hydra.mode=RUN override _run_app adds
+    import inspect
+
+    from hydra._internal import utils
+    from hydra._internal.hydra import Hydra
+
+    from lit_speed.compat.hydra import MODE_RUN
+
+    get_mode = inspect.getsource(Hydra.get_mode)
+    assert "self.compose_config(" in get_mode and "validate_sweep_overrides=False" in get_mode
+    assert "RunMode.MULTIRUN" in get_mode
+    assert "self.compose_config(" in inspect.getsource(Hydra.run)
+    assert f'"{MODE_RUN}"' in inspect.getsource(utils._run_app)
+    assert "self.config_loader.load_configuration(" in inspect.getsource(Hydra.compose_config)
