@@ -4,7 +4,7 @@
 the optimizer's and the Trainer's numbers, interpolations, precision x strategy, the resume path's shape. What needs
 the built objects is checked later: :mod:`lit_speed.run.model_checks` (the DataModule's tokens against the model,
 activation memory), :mod:`lit_speed.run.resume_checks` (the checkpoint against the model and optimizer),
-:mod:`lit_speed.run.fit_check` (the run's peak RSS), :class:`~lit_speed.run.plan_check.RunPlanCheck` (what only the
+:mod:`lit_speed.run.memory_fit.fit_check` (the run's peak RSS), :class:`~lit_speed.run.plan_check.RunPlanCheck` (what only the
 Trainer knows: batches per epoch).
 """
 from __future__ import annotations

@@ -97,7 +97,7 @@ def check_weight_files(cfg: DictConfig) -> None:
     Raises:
         ConfigError: Naming ``model.pretrained``, the file, what is wrong and the fix.
     """
-    from lit_speed.run.fit_check import hf_folder
+    from lit_speed.run.memory_fit.fit_check import hf_folder
 
     folder = hf_folder(cfg)
     if folder is None:

@@ -26,7 +26,7 @@ from lit_speed.run.config_error import RunStopped
 from lit_speed.run.config_rules import check_config
 from lit_speed.run.config_targets import model_takes_optimizer
 from lit_speed.run.console import quiet_upstream_notices
-from lit_speed.run.fit_gate import check_fits_memory
+from lit_speed.run.memory_fit.fit_gate import check_fits_memory
 from lit_speed.run.model_checks import check_activation_memory, check_tokens_fit_model
 from lit_speed.run.monitor import configured_monitor
 from lit_speed.run.plan_check import RunPlanCheck

@@ -3,9 +3,10 @@
 :func:`estimate_run` predicts the process's peak RSS for ``model=hf_causal_lm`` runs
 (:mod:`lit_speed.memory.rss_estimate`: the process as it is, exact parameter counts from the architecture built on
 the meta device with the run's adapters, the optimizer's declared state, and a scaled probe of one step of the same
-architecture at 1-2 layers prepared with the run's levers). :func:`lit_speed.run.fit_gate.check_fits_memory`
-refuses a run that will not fit, naming the cheapest set of levers that would (:data:`LEVERS`, in order of what
-they cost in speed), and ``scripts/plan.py`` prints the same estimate for every lever set.
+architecture at 1-2 layers prepared with the run's levers).
+:func:`~lit_speed.run.memory_fit.fit_gate.check_fits_memory` refuses a run that will not fit, naming the cheapest set
+of levers that would (:data:`~lit_speed.run.memory_fit.fit_levers.LEVERS`, in order of what they cost in speed), and
+``scripts/plan.py`` prints the same estimate for every lever set.
 """
 from __future__ import annotations
 
@@ -24,14 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from lit_speed.run.config_targets import CONFIG_DIR
-from lit_speed.run.fit_levers import (  # noqa: F401 - re-exported: the fit check's callers import them here
-    LEVERS,
-    Levers,
-    callback_nodes,
-    configured_levers,
-    lever_sets,
-    loss_chunk_mib,
-)
+from lit_speed.run.memory_fit.fit_levers import Levers, configured_levers, loss_chunk_mib
 from lit_speed.strategies.config_facts import config_facts
 
 
