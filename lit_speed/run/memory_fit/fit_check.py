@@ -157,21 +157,35 @@ def probe_lengths(config: Any, block: int) -> tuple[int, int]:
     return max(longest // 2, 1), max(longest, 2)
 
 
+#: The generous bound's counts of float32 tensors (4 bytes an element), rounded up so that the bound stays above
+#: the probe's estimate: per trainable parameter its gradient, AdamW's two moments and two more for the step's
+#: temporaries; per token and decoder layer, tensors of the hidden width (the norms' inputs and outputs, q, k, v, the
+#: attention output, the residual sums, and a gradient of each), of the MLP's inner width (gate, up, activation,
+#: product, and gradients) and per attention score (scores, probabilities, the gradient); per token, tensors of the
+#: vocabulary width (the logits, their float32 copy, the log-softmax, and gradients).
+FLOAT32_BYTES = 4
+TRAINABLE_FLOATS = 1 + 2 + 2
+HIDDEN_FLOATS, INNER_FLOATS, SCORE_FLOATS, VOCAB_FLOATS = 20, 6, 3, 6
+#: The bound's margin over the sum of its parts.
+GENEROUS_MARGIN = 1.5
+
+
 def generous_bound(facts: RunFacts, process: int) -> int:
     """An upper bound of the peak RSS from the config alone, with no probe: every parameter float32 with a
     gradient and AdamW state, activations at eager attention's widest (scores and probabilities of every head in
-    float32), the logits and their gradient several times over, all x1.5. When it fits, the probe is not run
-    (tiny models, small windows); when it does not, :func:`estimate_run` measures."""
+    float32), the logits and their gradient several times over (the counts above), all x :data:`GENEROUS_MARGIN`.
+    When it fits, the probe is not run (tiny models, small windows); when it does not, :func:`estimate_run`
+    measures."""
     text = _text_config(facts.config)
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 4096)
     inner = int(getattr(text, "intermediate_size", 0) or getattr(text, "ffn_dim", 0)
                 or getattr(text, "n_inner", 0) or 4 * hidden)
     heads = int(getattr(text, "num_attention_heads", 0) or getattr(text, "n_head", 0) or 32)
     params = facts.frozen + facts.trainable
-    state = params * 4 + facts.trainable * (4 + 8 + 8)
-    activations = facts.tokens * (facts.layers * (hidden * 80 + inner * 24 + heads * facts.block * 12)
-                                  + facts.vocab * 24)
-    return int(process + 1.5 * max(state + activations, params * 4 + facts.file_bytes))
+    state = (params + facts.trainable * TRAINABLE_FLOATS) * FLOAT32_BYTES
+    per_layer = hidden * HIDDEN_FLOATS + inner * INNER_FLOATS + heads * facts.block * SCORE_FLOATS
+    activations = facts.tokens * (facts.layers * per_layer + facts.vocab * VOCAB_FLOATS) * FLOAT32_BYTES
+    return int(process + GENEROUS_MARGIN * max(state + activations, params * FLOAT32_BYTES + facts.file_bytes))
 
 
 def optimizer_bytes_per_param(facts: RunFacts, levers: Levers, trainable: list[nn.Parameter]) -> float:
