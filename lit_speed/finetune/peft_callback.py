@@ -25,7 +25,6 @@ from lit_speed.finetune.adapters import (
     add_adapters,
     drop_frozen_from_optimizer,
     frozen_fingerprint,
-    parameter_counts,
 )
 from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_after_fit
 from lit_speed.finetune.frozen_base import (
@@ -36,6 +35,7 @@ from lit_speed.finetune.frozen_base import (
     set_base_compute,
     upcast_unlowered,
 )
+from lit_speed.memory.model_state import ParameterCounts, parameter_counts
 from lit_speed.precision.modes import TABLE as PRECISION_MODES
 from lit_speed.precision.modes import spec as precision_spec
 
@@ -139,7 +139,7 @@ class PEFTAdapters(Callback):
         self.lowered: Any = None
         self.targets: list[str] = []
         self.trainable_names: list[str] = []
-        self.counts: tuple[int, int] | None = None
+        self.counts: ParameterCounts | None = None
         self.base_fingerprint: str | None = None
         self.exported: dict[str, str] = {}
         self.dropped_from_optimizer = 0
@@ -163,7 +163,7 @@ class PEFTAdapters(Callback):
         if self.adapters_only_checkpoints and isinstance(model, pl.LightningModule):
             # the checkpoint lacks the frozen base by design; on_load_checkpoint checks what must be there
             model.strict_loading = False
-        trainable, total = self.counts
+        trainable, total = self.counts.trainable, self.counts.total
         rank_zero_info(f"PEFTAdapters: {self.method} on {len(self.targets)} modules; {trainable:,} of {total:,} "
                        f"parameters train ({100 * trainable / max(total, 1):.2f}%)")
 
@@ -331,7 +331,7 @@ class PEFTAdapters(Callback):
                                          if self.chosen_up_grad else f"up-projections {self.up_grad}"
                                          + (" (decided at fit start)" if self.up_grad == "auto" else ""))
         if self.counts is not None:
-            trainable, total = self.counts
+            trainable, total = self.counts.trainable, self.counts.total
             rows["trainable parameters"] = (f"{trainable:,} of {total:,} ({100 * trainable / max(total, 1):.2f}%), "
                                             f"{total - trainable:,} frozen")
         return rows
@@ -341,7 +341,7 @@ class PEFTAdapters(Callback):
         return {"export": self.export_seconds or 0.0}
 
     def final_summary(self) -> dict[str, Any]:
-        trainable, total = self.counts or (0, 0)
+        trainable, total = (self.counts.trainable, self.counts.total) if self.counts is not None else (0, 0)
         return {"method": self.method, "target_modules": len(self.targets), "trainable_params": trainable,
                 "total_params": total, "base_fingerprint": self.base_fingerprint, "exported": self.exported,
                 "export_s": self.export_seconds, "frozen_dropped_from_optimizer": self.dropped_from_optimizer,

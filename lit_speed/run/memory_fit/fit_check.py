@@ -112,14 +112,15 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
     import hydra.utils
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lit_speed.memory.rss_estimate import count_parameters
+    from lit_speed.memory.model_state import parameter_counts
 
     config = AutoConfig.from_pretrained(folder)
     text = _text_config(config)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config)
     prepared = _prepare(hf, _adapter_args(cfg, levers.lora), levers)
-    frozen, trainable = count_parameters(prepared)
+    counts = parameter_counts(prepared)
+    frozen, trainable = counts.frozen, counts.trainable
     largest = max((p.numel() for p in prepared.parameters()), default=0)
     files = glob.glob(str(folder / "*.safetensors")) + glob.glob(str(folder / "*.bin"))
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
@@ -220,8 +221,9 @@ def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool 
     ``skip_matmuls``: see :func:`~lit_speed.memory.rss_estimate.probe_scaled` (``False``: compute the products)."""
     from transformers import AutoModelForCausalLM
 
+    from lit_speed.memory.model_state import parameter_counts
     from lit_speed.memory.planner import measure_optimizer
-    from lit_speed.memory.rss_estimate import count_parameters, probe_scaled
+    from lit_speed.memory.rss_estimate import probe_scaled
     from lit_speed.precision.modes import spec
 
     adapters = _adapter_args(cfg, levers.lora)
@@ -246,7 +248,7 @@ def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool 
                          tokens=probe_lengths(facts.config, facts.block), vocab=facts.vocab,
                          skip_matmuls=skip_matmuls)
     small = models[(1, facts.vocab)]
-    _frozen, small_trainable = count_parameters(small)
+    small_trainable = parameter_counts(small).trainable
     trainable_params = [p for p in small.parameters() if p.requires_grad]
     step_temp = 0.0
     if facts.optimizer is not None and not levers.low_bit_states and small_trainable:
