@@ -38,6 +38,7 @@ from lit_speed.finetune.frozen_base import (
 from lit_speed.memory.model_state import ParameterCounts, parameter_counts
 from lit_speed.precision.modes import TABLE as PRECISION_MODES
 from lit_speed.precision.modes import spec as precision_spec
+from lit_speed.tuning import on_rank_zero
 
 ADAPTERS_ONLY_KEY = "adapters_only"  # top-level checkpoint key: the state_dict holds the trainable tensors only
 
@@ -207,9 +208,7 @@ class PEFTAdapters(Callback):
             elif mixed is not None:
                 self.chosen_compute, self.compute_reason = "bf16", f"autocast runs the matmuls in {mixed}"
             else:
-                decision = choose_base_compute(pl_module, trainer.strategy.root_device)
-                if trainer.world_size > 1:  # rank 0 decides for every process
-                    decision = trainer.strategy.broadcast(decision, src=0)
+                decision = on_rank_zero(lambda: choose_base_compute(pl_module, trainer.strategy.root_device), trainer)
                 self.chosen_compute, self.compute_reason = decision.chosen, decision.reason
             rank_zero_info(f"PEFTAdapters: frozen base in {self.base_dtype}, computed in {self.chosen_compute} "
                            f"({self.compute_reason})")
@@ -224,10 +223,9 @@ class PEFTAdapters(Callback):
                 self.chosen_up_grad = "standard"
                 self.up_grad_reason = "ZeRO stage 3 gathers partitioned weights through its own F.linear: not timed"
             else:
-                decision = choose_up_grad(pl_module, trainer.strategy.root_device, _tokens_per_batch(trainer),
-                                          _compute_dtype(trainer))
-                if trainer.world_size > 1:  # rank 0 decides for every process
-                    decision = trainer.strategy.broadcast(decision, src=0)
+                decision = on_rank_zero(lambda: choose_up_grad(pl_module, trainer.strategy.root_device,
+                                                               _tokens_per_batch(trainer), _compute_dtype(trainer)),
+                                        trainer)  # rank 0 decides for every process
                 self.chosen_up_grad, self.up_grad_reason = decision.chosen, decision.reason
         if self.chosen_up_grad == "transposed" and stage3:
             raise ValueError("PEFTAdapters(up_grad=transposed): not under ZeRO stage 3 (it gathers partitioned weights "
