@@ -14,11 +14,11 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 
 import atexit  # noqa: E402
 
-from lit_speed.run import launch_env  # noqa: E402  (cheap: os and datetime)
+from lit_speed.run import process_end  # noqa: E402  (cheap: os)
 
 # registered before any library's hook, so it runs after all of them: a multi-process run ends there with its
-# status, without the interpreter's finalization, where gloo's threads can abort it (launch_env.exit_after_exit_hooks)
-atexit.register(launch_env.exit_after_exit_hooks)
+# status, without the interpreter's finalization, where gloo's threads can abort it (process_end.exit_after_exit_hooks)
+atexit.register(process_end.exit_after_exit_hooks)
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
@@ -113,10 +113,10 @@ if __name__ == "__main__":
         refuse(error)
     try:
         if command.multirun:
-            launch_env.run_and_release(main)  # the exit status kept for exit_after_exit_hooks, the group released
+            process_end.run_and_release(main)  # the exit status kept for exit_after_exit_hooks, the group released
         else:
             with check_main_composition(command):  # one composition, checked before the job starts
-                launch_env.run_and_release(main)
+                process_end.run_and_release(main)
     finally:
         import gc
 
