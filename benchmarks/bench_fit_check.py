@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fit_check.py                    # Qwen2.5-0.5B dims, 4 x 512 tokens, LoRA and full
 
-``lit_speed.run.fit_check`` runs a scaled probe of one training step (the real width and vocabulary at 1 and 2
+``lit_speed.run.memory_fit.fit_check`` runs a scaled probe of one training step (the real width and vocabulary at 1 and 2
 layers) before the weights load, to refuse a run that will not fit in RAM. Its products return zeros of their shape
 (``lit_speed.memory.memory_tracker.SkipMatmuls``): the same tensors are allocated, none of the FLOPs are spent. This
 times the probe both ways (skip, compute, skip: a drift of the host shows in the two skip rows) for the speed rows'
@@ -31,7 +31,7 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from lit_speed.run import fit_check
+    from lit_speed.run.memory_fit import fit_check, fit_levers
 
     print("machine:", machine().get("cpu"), flush=True)
     folder = build(args.model)
@@ -41,7 +41,7 @@ def main() -> None:
             cfg = compose("train", overrides=[
                 "model=hf_causal_lm", "data=text_folder", f"model.pretrained={folder}", "data.block_size=512",
                 "data.batch_size=4", f"peft={peft}", "callbacks=[default,chunked_loss,keep_freed_memory,compile]"])
-        levers = fit_check.configured_levers(cfg)
+        levers = fit_levers.configured_levers(cfg)
         facts = fit_check.run_facts(cfg, folder, levers)
         row: dict[str, list] = {"skip_s": [], "compute_s": [], "step_bytes": []}
         for mode in ("skip", "compute", "skip"):

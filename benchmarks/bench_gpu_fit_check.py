@@ -4,8 +4,8 @@
 
 ``bench_real_size.py --device cuda`` records, for every lit_speed row, the command it ran and the step-wise maximum of
 ``torch.cuda.max_memory_allocated`` (its recorder). This script composes each of those rows' configs again (the
-bench's own callbacks and the run folder's overrides left out), asks ``lit_speed.run.fit_check`` what the step
-needs on the GPU (:func:`~lit_speed.run.fit_check.estimate_run` with no process: the CPU probe in the run's
+bench's own callbacks and the run folder's overrides left out), asks ``lit_speed.run.memory_fit.fit_check`` what the step
+needs on the GPU (:func:`~lit_speed.run.memory_fit.fit_check.estimate_run` with no process: the CPU probe in the run's
 precision, eager; the tensors, then x ``GPU_SLACK`` for what the check compares with the device's free memory) and
 writes both beside the measured peak. The measurement is the GPU run's (dated in its JSON); the prediction is made
 here, on this machine.
@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     from model_folders import build
 
     from lit_speed.data.charlm import source_root
-    from lit_speed.run import fit_check, fit_check_gpu
     from lit_speed.run.config_check import preflight
+    from lit_speed.run.memory_fit import fit_check, fit_check_gpu
 
     run = json.loads(args.source.read_text())
     rows = []

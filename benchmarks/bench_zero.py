@@ -133,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(e2e_worker(args.worker, args.steps, args.cache)))
-        from lit_speed.run.launch_env import end_distributed_process
+        from lit_speed.run.process_end import end_distributed_process
 
         end_distributed_process()  # a ZeRO run's gloo group: exit 0 without the finalization that can abort (-6)
         return

@@ -3,9 +3,9 @@
     python scripts/plan.py experiment=charlm_fast --budget-mib 32
 
 Takes the same overrides as ``scripts/train.py``: the candidates default to what that run would use (its precision,
-micro-batch, strategy, world size and optimizer, presets included; ``lit_speed.run.memory_plan``), measures the real
-module at two probe micro-batches, and prints one row per configuration with the exact overrides that run it; ``*``
-marks the configured run.
+micro-batch, strategy, world size and optimizer, presets included; ``lit_speed.run.memory_fit.memory_plan``),
+measures the real module at two probe micro-batches, and prints one row per configuration with the exact overrides
+that run it; ``*`` marks the configured run.
 """
 from __future__ import annotations
 
@@ -45,11 +45,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
-    """Every lever set of :func:`lit_speed.run.fit_check.lever_sets` with its predicted peak RSS (no weights read).
+    """Every lever set of :func:`lit_speed.run.memory_fit.fit_levers.lever_sets` with its predicted peak RSS (no
+    weights read).
 
     A run that trains on one GPU (``trainer=gpu``) gets the GPU's column too: its step's predicted GPU memory
-    (:func:`~lit_speed.run.fit_check_gpu.gpu_step_bytes`) against ``budget`` (``--budget-mib``) or the device's free
-    memory; its peak RSS is then the host side of a GPU run (loading, and the end of fit), not a CPU step's."""
+    (:func:`~lit_speed.run.memory_fit.fit_check_gpu.gpu_step_bytes`) against ``budget`` (``--budget-mib``) or the
+    device's free memory; its peak RSS is then the host side of a GPU run (loading, and the end of fit), not a CPU
+    step's."""
     import psutil
     import torch
     from rich.console import Console
@@ -57,10 +59,10 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
 
     from lit_speed.memory.host_memory import host_memory
     from lit_speed.memory.rss_estimate import gib
-    from lit_speed.run import fit_check, fit_check_gpu
+    from lit_speed.run.memory_fit import fit_check, fit_check_gpu, fit_levers
 
     process = psutil.Process().memory_info().rss
-    configured = fit_check.configured_levers(cfg)
+    configured = fit_levers.configured_levers(cfg)
     device = fit_check_gpu.gpu_to_judge(cfg)
     gpu = fit_check_gpu.trains_on_gpu(cfg)
     ram = process + host_memory().available
@@ -82,9 +84,9 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
     first_fit = None
     commands, rows = [], []
     cache: dict = {}  # one probe per kind of row: rows that differ in micro-batch only share it
-    for i, levers in enumerate(fit_check.lever_sets(configured, not configured.lora)):
+    for i, levers in enumerate(fit_levers.lever_sets(configured, not configured.lora)):
         estimate = fit_check.estimate_run(cfg, levers, 0 if gpu else process, cache=cache)
-        fix = " ".join(levers.overrides(configured, list(fit_check.callback_nodes(cfg)))) or "(as configured)"
+        fix = " ".join(levers.overrides(configured, list(fit_levers.callback_nodes(cfg)))) or "(as configured)"
         added = [short for name, short in (("chunked_loss", "chunk"), ("base_bf16", "bf16"), ("low_bit_states", "8bit"),
                                            ("checkpointing", "ckpt"), ("base_int8", "int8"), ("lora", "lora"))
                  if getattr(levers, name) and not getattr(configured, name)]
@@ -133,7 +135,7 @@ def main(argv: list[str]) -> int:
     from lit_speed.run.config_check import preflight
     from lit_speed.run.config_error import ConfigError
     from lit_speed.run.console import quiet_upstream_notices
-    from lit_speed.run.memory_plan import describe_configured, plan_run
+    from lit_speed.run.memory_fit.memory_plan import describe_configured, plan_run
 
     quiet_upstream_notices()  # torchao's import lines (through transformers): nothing a plan uses
 
@@ -148,7 +150,7 @@ def main(argv: list[str]) -> int:
     budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
     try:
         cfg = preflight(overrides)
-        from lit_speed.run.fit_check import hf_folder
+        from lit_speed.run.memory_fit.fit_check import hf_folder
         from lit_speed.run.refusals import config_paths, refusals_as_config_errors
 
         # a component that refuses its settings as it is built (a model folder that is not there) says so in one

@@ -14,17 +14,21 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 
 import atexit  # noqa: E402
 
-from lit_speed.run import launch_env  # noqa: E402  (cheap: os and datetime)
+from lit_speed.run import process_end  # noqa: E402  (cheap: os)
 
 # registered before any library's hook, so it runs after all of them: a multi-process run ends there with its
-# status, without the interpreter's finalization, where gloo's threads can abort it (launch_env.exit_after_exit_hooks)
-atexit.register(launch_env.exit_after_exit_hooks)
+# status, without the interpreter's finalization, where gloo's threads can abort it (process_end.exit_after_exit_hooks)
+atexit.register(process_end.exit_after_exit_hooks)
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from lit_speed.run.config_check import preflight  # noqa: E402
+from lit_speed.run.config_check import CommandLine  # noqa: E402
 from lit_speed.run.config_error import ConfigError  # noqa: E402
+
+#: Whether the pre-flight checked the config @hydra.main hands to main (a single run: its one composition, checked
+#: before the job starts); a sweep's jobs are checked by the runner, each its own.
+CHECKED = {"job": False}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -36,7 +40,7 @@ def main(cfg: DictConfig) -> float | None:
     from lit_speed.run.runner import optimized_metric, train
 
     try:
-        summary = train(cfg)
+        summary = train(cfg, checked=CHECKED["job"])
     except ConfigError as error:
         # a component refused the config before training: one line naming the setting and the fix.
         # HYDRA_FULL_ERROR=1 shows the traceback; in a sweep the job fails and the others go on.
@@ -50,6 +54,37 @@ def main(cfg: DictConfig) -> float | None:
         print(f"Run stopped: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
     return optimized_metric(cfg, summary)
+
+
+def refuse(error: ConfigError) -> None:
+    """One line naming the setting and the fix, and exit status 2 (before anything is built)."""
+    print(f"Config error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_main_composition(command: CommandLine):
+    """The pre-flight on the config @hydra.main composes, before its job starts (lit_speed.compat.hydra): the checks
+    of a single run's config, or the pre-flight's own reading of a composition that failed."""
+    from hydra.types import RunMode
+
+    from lit_speed.compat.hydra import on_main_composition
+    from lit_speed.run.config_check import check_composed, explain_composition_error
+
+    def composed(cfg: DictConfig) -> None:
+        if cfg.hydra.get("mode") == RunMode.MULTIRUN:  # a sweep the config asks for: each job is checked by the runner
+            return
+        try:
+            check_composed(cfg, command.firsts)
+        except ConfigError as error:
+            refuse(error)
+        CHECKED["job"] = True
+
+    def failed(error: BaseException) -> None:
+        explained = explain_composition_error(command)
+        if explained is not None:
+            refuse(explained)
+
+    return on_main_composition(composed, failed)
 
 
 if __name__ == "__main__":
@@ -68,13 +103,20 @@ if __name__ == "__main__":
     # even while the main thread is in a long C call (a backward pass): the signal deadline counts from then
     watch_stop_signals(getattr(signal, name) for name in record_stop_signals())
     share_run_time()  # under torchrun: one run folder for all ranks (rank 0's time stamp)
+    from lit_speed.run.config_check import preflight, read_command_line
+
     try:
-        preflight(sys.argv[1:])
+        command = read_command_line(sys.argv[1:])  # what needs no composition: flags, overrides, folders
+        if command.multirun:  # a sweep: its first values checked before any job starts (each job is checked again)
+            preflight(sys.argv[1:])
     except ConfigError as error:
-        print(f"Config error: {error}", file=sys.stderr)
-        sys.exit(2)
+        refuse(error)
     try:
-        launch_env.run_and_release(main)  # the exit status kept for exit_after_exit_hooks, the process group released
+        if command.multirun:
+            process_end.run_and_release(main)  # the exit status kept for exit_after_exit_hooks, the group released
+        else:
+            with check_main_composition(command):  # one composition, checked before the job starts
+                process_end.run_and_release(main)
     finally:
         import gc
 

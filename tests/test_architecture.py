@@ -588,3 +588,218 @@ def test_no_module_is_longer_than_the_limit() -> None:
     long = {str(p.relative_to(ROOT.parent)): n for p in sorted(ROOT.rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them along their seams): {long}"
+
+
+# ----------------------------------------------------------------------------------- 4. one reading of the config
+#: The one function that tells what a config's ``_target_`` names are (issue 51): it imports each and compares the
+#: classes (``issubclass``); nothing else reads what a class is from the spelling of its target.
+CONFIG_FACTS = "lit_speed/strategies/config_facts.py"
+_STRING_TESTS = ("endswith", "startswith", "find", "rfind", "index", "count", "removesuffix", "removeprefix")
+_PATTERN_CALLS = ("search", "match", "fullmatch", "fnmatch", "findall")
+
+
+_STRING_OF = ("str", "repr", "format")  # calls whose value is the string of their argument
+
+
+def _holds_target(node: ast.AST, tainted: set[str], returns: set[str]) -> bool:
+    """Whether the value of ``node`` is (or is built from) a ``_target_`` string: ``x._target_``,
+    ``x.get("_target_")``, ``x["_target_"]``, a function that returns one, a name bound to one, or an expression of
+    those; a comparison (``"_target_" in node``: a key test) is a bool, not a target."""
+    if isinstance(node, ast.Compare):
+        return False
+    if isinstance(node, ast.Attribute) and node.attr == "_target_":
+        return True
+    if isinstance(node, ast.Name):
+        return node.id in tainted
+    if isinstance(node, ast.Call):  # str(target), target.lower(), a function that returns a target, x.get(...)
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        if name in returns:
+            return True
+        if name in ("get", "select") and any(isinstance(a, ast.Constant) and a.value == "_target_" for a in node.args):
+            return True
+        if isinstance(func, ast.Name):
+            return name in _STRING_OF and any(_holds_target(a, tainted, returns) for a in node.args)
+        return isinstance(func, ast.Attribute) and _holds_target(func.value, tainted, returns)
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "_target_":
+        return True
+    if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+        return _holds_target(node.elt, tainted, returns)
+    if isinstance(node, ast.DictComp):
+        return _holds_target(node.key, tainted, returns) or _holds_target(node.value, tainted, returns)
+    return any(_holds_target(child, tainted, returns) for child in ast.iter_child_nodes(node)
+               if not isinstance(child, (ast.expr_context, ast.comprehension)))
+
+
+def _bound_names(target: ast.AST) -> list[str]:
+    return [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+
+
+def _scopes(tree: ast.AST) -> list[ast.AST]:
+    """The module and each function: a name bound to a ``_target_`` is followed within its scope."""
+    return [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))]
+
+
+def _scope_nodes(scope: ast.AST) -> list[ast.AST]:
+    """The nodes of ``scope`` outside the functions it defines."""
+    out, todo = [], list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _tainted_names(nodes: list[ast.AST], returns: set[str]) -> set[str]:
+    tainted: set[str] = set()
+    while True:
+        before = len(tainted)
+        for node in nodes:
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                if _holds_target(node.value, tainted, returns):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    tainted.update(name for t in targets for name in _bound_names(t))
+            elif isinstance(node, (ast.For, ast.comprehension)) and _holds_target(node.iter, tainted, returns):
+                tainted.update(_bound_names(node.target))
+        if len(tainted) == before:
+            return tainted
+
+
+def _returning_target(tree: ast.AST) -> set[str]:
+    """Functions of ``tree`` that return a ``_target_`` value (to a fixed point)."""
+    returns: set[str] = set()
+    while True:
+        before = len(returns)
+        for scope in _scopes(tree)[1:]:
+            if isinstance(scope, ast.Lambda):
+                continue
+            nodes = _scope_nodes(scope)
+            tainted = _tainted_names(nodes, returns)
+            if any(isinstance(r, ast.Return) and r.value is not None and _holds_target(r.value, tainted, returns)
+                   for r in nodes):
+                returns.add(scope.name)
+        if len(returns) == before:
+            return returns
+
+
+def target_string_matches(source: str, filename: str = "<module>", returning: set[str] = frozenset()) -> list[str]:
+    """Every place ``source`` reads what a ``_target_`` is from its spelling: a suffix, prefix or substring test
+    (``.endswith(``, ``.startswith(``, ``"DDP" in target``, a regular expression) on a ``_target_`` value or a name
+    bound to one, as ``"file:line: what"``. ``returning``: functions of other modules that return a target."""
+    tree = ast.parse(source, filename)
+    returns = _returning_target(tree) | set(returning)
+    found = []
+    for scope in _scopes(tree):
+        nodes = _scope_nodes(scope)
+        tainted = _tainted_names(nodes, returns)
+
+        def holds(node: ast.AST) -> bool:
+            return _holds_target(node, tainted, returns)
+
+        for node in nodes:
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in _STRING_TESTS and holds(node.func.value) or \
+                        node.func.attr in _PATTERN_CALLS and any(holds(a) for a in node.args):
+                    found.append(f"{filename}:{node.lineno}: {ast.unparse(node)[:80]}")
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+                left = node.left
+                if isinstance(left, ast.Constant) and isinstance(left.value, str) and left.value != "_target_" \
+                        and any(holds(c) for c in node.comparators):
+                    found.append(f"{filename}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return sorted(set(found))
+
+
+def _scanned_files() -> list[Path]:
+    scripts = ROOT.parent / "scripts"
+    return [*sorted(ROOT.rglob("*.py")), *sorted(scripts.glob("*.py"))]
+
+
+def test_target_strings_are_never_matched_by_their_spelling() -> None:
+    files = {str(path.relative_to(ROOT.parent)): path.read_text() for path in _scanned_files()}
+    returning = {name for source in files.values() for name in _returning_target(ast.parse(source))}
+    found = [line for rel, source in files.items() if rel != CONFIG_FACTS
+             for line in target_string_matches(source, rel, returning)]
+    assert not found, ("a _target_ is read by its spelling (renaming the class would silently change the answer): "
+                       "ask lit_speed.strategies.config_facts.config_facts (it imports the class) instead:\n"
+                       + "\n".join(found))
+
+
+def test_the_target_scanner_finds_each_kind_of_spelling_match() -> None:
+    synthetic = '''
+def target_of(node):
+    return str(node.get("_target_", ""))
+
+def f(cfg, node, strategy):
+    if not target_of(cfg.model).endswith("HFCausalLM"):
+        return
+    target = str(strategy._target_)
+    if "DDP" in target or target.startswith("lightning."):
+        pass
+    callbacks = [target_of(v) for v in node.values()]
+    chunked = any(t.endswith("ChunkedLMLoss") for t in callbacks)
+    ok = "_target_" in node and node.name.endswith("x") and "a" in node.name
+    if str(node.get("_target_", "")).endswith(".PEFTAdapters"):
+        pass
+'''
+    found = target_string_matches(synthetic, "s.py")
+    assert sorted(int(line.split(":")[1]) for line in found) == [6, 9, 9, 12, 14], found
+
+
+# ------------------------------------------------------------------------------------- 5. the config composed once
+#: Runs ``scripts/train.py`` in this interpreter with every Hydra composition (``ConfigLoaderImpl.
+#: load_configuration``: ``compose()``, ``@hydra.main``, a sweep's) and every config check counted into a file.
+COUNTING_DRIVER = '''
+import runpy, sys
+from pathlib import Path
+
+log, script = Path(sys.argv[1]), sys.argv[2]
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+def counted(name, original):
+    def call(*args, **kwargs):
+        with log.open("a") as f:
+            f.write(name + "\\n")
+        return original(*args, **kwargs)
+    return call
+
+ConfigLoaderImpl.load_configuration = counted("compose", ConfigLoaderImpl.load_configuration)
+from lit_speed.run import config_rules
+config_rules.check_config = counted("check", config_rules.check_config)
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(script, run_name="__main__")
+'''
+
+
+def train_script_events(args: list[str], tmp_path: Path) -> tuple[int, list[str], str]:
+    """``(exit status, events, stderr)`` of ``scripts/train.py args`` run through :data:`COUNTING_DRIVER`."""
+    import os
+    import subprocess
+    import sys
+
+    log = tmp_path / "events.txt"
+    repo = ROOT.parent
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "LIT_SPEED_ROOT": str(repo), "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", COUNTING_DRIVER, str(log), str(repo / "scripts" / "train.py"),
+                             *args], cwd=repo, capture_output=True, text=True, timeout=600, env=env)
+    events = log.read_text().split() if log.exists() else []
+    return result.returncode, events, result.stderr
+
+
+def test_a_train_script_run_composes_its_config_once_and_checks_it_once(tmp_path: Path) -> None:
+    tiny = ["trainer.max_steps=1", "trainer.limit_val_batches=0", "validate=false", "logger=none", "callbacks=none",
+            "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", f"hydra.run.dir={tmp_path}"]
+    status, events, stderr = train_script_events(tiny, tmp_path)
+    assert status == 0, stderr[-3000:]
+    assert events.count("compose") == 1, f"the config was composed {events.count('compose')} times: {events}"
+    assert events.count("check") == 1, f"the config was checked {events.count('check')} times: {events}"
+    assert (tmp_path / "summary.json").is_file()
+
+
+def test_a_refused_config_is_refused_before_the_run_starts(tmp_path: Path) -> None:
+    status, events, stderr = train_script_events(["seed=1.5", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert status == 2 and stderr.strip().splitlines()[-1] == ("Config error: seed=1.5: expected an integer or null. "
+                                                              "Fix: seed=42 (or seed=null for no seeding)"), stderr
+    assert events == ["compose", "check"]
+    assert not (tmp_path / "run" / ".hydra").exists()  # the job never began (Hydra writes .hydra/ first)

@@ -19,8 +19,10 @@ Modules, by library (each function states the version it was written against):
 * :mod:`lit_speed.compat.deepspeed` - DeepSpeed itself and Lightning's ``DeepSpeedStrategy`` internals.
 * :mod:`lit_speed.compat.hydra` - Hydra's command-line parser and ``@hydra.main``'s config search path (hydra-core
   1.3.8), so the pre-flight composes from the folders Hydra will search.
+* :mod:`lit_speed.compat.peft` - a LoRA ``Linear``'s adapter internals (``lora_variant``, ``lora_bias``, ``scaling``,
+  ``fan_in_fan_out``), for the merged export's hand merge (peft 0.21.2).
 * :mod:`lit_speed.compat.python` - CPython's ``atexit._run_exitfuncs``, to run the exit hooks before an exit
-  without the interpreter's finalization (:func:`lit_speed.run.launch_env.end_distributed_process`).
+  without the interpreter's finalization (:func:`lit_speed.run.process_end.end_distributed_process`).
 * :mod:`lit_speed.compat.torch` - private torch ops and modules (``_foreach_*``, pytree, dispatch modes,
   ``torch.compile``'s module wrapper, the oneDNN bf16 check).
 

@@ -5,7 +5,7 @@ callbacks that call them: ``init_callback.InitWeights``, ``peft_callback.PEFTAda
 ``export_callback.ExportModel`` (the trained model's export when every parameter trains).
 """
 from lit_speed.finetune.adapter_grad import choose_up_grad, set_up_grad
-from lit_speed.finetune.adapters import add_adapters, module_names_matching, parameter_counts
+from lit_speed.finetune.adapters import add_adapters, module_names_matching
 from lit_speed.finetune.export import export_merged, merge_adapters
 from lit_speed.finetune.export_callback import ExportModel
 from lit_speed.finetune.frozen_base import (
@@ -18,6 +18,7 @@ from lit_speed.finetune.frozen_base import (
 from lit_speed.finetune.init_callback import InitWeights
 from lit_speed.finetune.peft_callback import PEFTAdapters
 from lit_speed.finetune.weights import load_weights, read_state_dict
+from lit_speed.memory.model_state import parameter_counts
 
 __all__ = ["ExportModel", "InitWeights", "PEFTAdapters", "add_adapters", "choose_base_compute", "choose_up_grad",
            "export_merged", "frozen_base_bytes", "load_weights", "lower_frozen_base", "merge_adapters",

@@ -192,12 +192,6 @@ def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
 
 
-def parameter_counts(model: nn.Module) -> tuple[int, int]:
-    """``(trainable, total)`` parameter elements, tied weights counted once."""
-    params = {id(p): p for p in model.parameters()}.values()
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
-
-
 #: Elements of each frozen tensor read into the fingerprint, evenly spaced (all of a smaller tensor).
 FINGERPRINT_SAMPLE = 65_536
 

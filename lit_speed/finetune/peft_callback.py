@@ -25,7 +25,6 @@ from lit_speed.finetune.adapters import (
     add_adapters,
     drop_frozen_from_optimizer,
     frozen_fingerprint,
-    parameter_counts,
 )
 from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_after_fit
 from lit_speed.finetune.frozen_base import (
@@ -36,8 +35,10 @@ from lit_speed.finetune.frozen_base import (
     set_base_compute,
     upcast_unlowered,
 )
+from lit_speed.memory.model_state import ParameterCounts, parameter_counts
 from lit_speed.precision.modes import TABLE as PRECISION_MODES
 from lit_speed.precision.modes import spec as precision_spec
+from lit_speed.tuning import on_rank_zero
 
 ADAPTERS_ONLY_KEY = "adapters_only"  # top-level checkpoint key: the state_dict holds the trainable tensors only
 
@@ -139,7 +140,7 @@ class PEFTAdapters(Callback):
         self.lowered: Any = None
         self.targets: list[str] = []
         self.trainable_names: list[str] = []
-        self.counts: tuple[int, int] | None = None
+        self.counts: ParameterCounts | None = None
         self.base_fingerprint: str | None = None
         self.exported: dict[str, str] = {}
         self.dropped_from_optimizer = 0
@@ -163,7 +164,7 @@ class PEFTAdapters(Callback):
         if self.adapters_only_checkpoints and isinstance(model, pl.LightningModule):
             # the checkpoint lacks the frozen base by design; on_load_checkpoint checks what must be there
             model.strict_loading = False
-        trainable, total = self.counts
+        trainable, total = self.counts.trainable, self.counts.total
         rank_zero_info(f"PEFTAdapters: {self.method} on {len(self.targets)} modules; {trainable:,} of {total:,} "
                        f"parameters train ({100 * trainable / max(total, 1):.2f}%)")
 
@@ -207,9 +208,7 @@ class PEFTAdapters(Callback):
             elif mixed is not None:
                 self.chosen_compute, self.compute_reason = "bf16", f"autocast runs the matmuls in {mixed}"
             else:
-                decision = choose_base_compute(pl_module, trainer.strategy.root_device)
-                if trainer.world_size > 1:  # rank 0 decides for every process
-                    decision = trainer.strategy.broadcast(decision, src=0)
+                decision = on_rank_zero(lambda: choose_base_compute(pl_module, trainer.strategy.root_device), trainer)
                 self.chosen_compute, self.compute_reason = decision.chosen, decision.reason
             rank_zero_info(f"PEFTAdapters: frozen base in {self.base_dtype}, computed in {self.chosen_compute} "
                            f"({self.compute_reason})")
@@ -224,10 +223,9 @@ class PEFTAdapters(Callback):
                 self.chosen_up_grad = "standard"
                 self.up_grad_reason = "ZeRO stage 3 gathers partitioned weights through its own F.linear: not timed"
             else:
-                decision = choose_up_grad(pl_module, trainer.strategy.root_device, _tokens_per_batch(trainer),
-                                          _compute_dtype(trainer))
-                if trainer.world_size > 1:  # rank 0 decides for every process
-                    decision = trainer.strategy.broadcast(decision, src=0)
+                decision = on_rank_zero(lambda: choose_up_grad(pl_module, trainer.strategy.root_device,
+                                                               _tokens_per_batch(trainer), _compute_dtype(trainer)),
+                                        trainer)  # rank 0 decides for every process
                 self.chosen_up_grad, self.up_grad_reason = decision.chosen, decision.reason
         if self.chosen_up_grad == "transposed" and stage3:
             raise ValueError("PEFTAdapters(up_grad=transposed): not under ZeRO stage 3 (it gathers partitioned weights "
@@ -331,7 +329,7 @@ class PEFTAdapters(Callback):
                                          if self.chosen_up_grad else f"up-projections {self.up_grad}"
                                          + (" (decided at fit start)" if self.up_grad == "auto" else ""))
         if self.counts is not None:
-            trainable, total = self.counts
+            trainable, total = self.counts.trainable, self.counts.total
             rows["trainable parameters"] = (f"{trainable:,} of {total:,} ({100 * trainable / max(total, 1):.2f}%), "
                                             f"{total - trainable:,} frozen")
         return rows
@@ -341,7 +339,7 @@ class PEFTAdapters(Callback):
         return {"export": self.export_seconds or 0.0}
 
     def final_summary(self) -> dict[str, Any]:
-        trainable, total = self.counts or (0, 0)
+        trainable, total = (self.counts.trainable, self.counts.total) if self.counts is not None else (0, 0)
         return {"method": self.method, "target_modules": len(self.targets), "trainable_params": trainable,
                 "total_params": total, "base_fingerprint": self.base_fingerprint, "exported": self.exported,
                 "export_s": self.export_seconds, "frozen_dropped_from_optimizer": self.dropped_from_optimizer,

@@ -24,6 +24,30 @@ import torch
 from lit_speed.precision.modes import BASELINE, spec
 
 
+class ParameterCounts(NamedTuple):
+    """Parameter elements of a model, each tensor once (tied weights, a module shared by two parents)."""
+
+    trainable: int
+    frozen: int
+
+    @property
+    def total(self) -> int:
+        return self.trainable + self.frozen
+
+
+def parameter_counts(model: torch.nn.Module) -> ParameterCounts:
+    """The one count of ``model``'s parameters (the adapters' start-up row, ``ZeroStrategy``'s memory row, the fit
+    check's estimate, the start-up table): trainable (``requires_grad``) and frozen elements, tied tensors once.
+
+    Example::
+
+        parameter_counts(model).trainable  # elements that get a gradient and optimizer state
+    """
+    unique = {id(p): p for p in model.parameters()}.values()
+    trainable = sum(p.numel() for p in unique if p.requires_grad)
+    return ParameterCounts(trainable, sum(p.numel() for p in unique) - trainable)
+
+
 class ZeroLayout(NamedTuple):
     """Where the model state of one process lives: ZeRO stage, what is offloaded, and who holds the optimizer."""
 

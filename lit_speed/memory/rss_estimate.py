@@ -219,16 +219,11 @@ def load_peak_bytes(file_bytes: int, params: int, load_dtype_bytes: int, file_dt
     return int(tensors + (file_bytes if load_dtype_bytes != file_dtype_bytes else 0))
 
 
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """``(frozen, trainable)`` parameter counts, tied tensors once."""
-    unique = {id(p): p for p in model.parameters()}.values()
-    trainable = sum(p.numel() for p in unique if p.requires_grad)
-    return sum(p.numel() for p in unique) - trainable, trainable
 
 
 def gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
-__all__ = ["ALLOCATOR_SLACK", "RSSEstimate", "ScaledProbe", "count_parameters", "load_peak_bytes",
+__all__ = ["ALLOCATOR_SLACK", "RSSEstimate", "ScaledProbe", "load_peak_bytes",
            "predict_peak_rss", "probe_scaled"]

@@ -18,6 +18,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lit_speed.tuning import on_rank_zero
+
 
 def interval_for_budget(val_seconds: float, batch_seconds: float, max_fraction: float, minimum: int = 1,
                         maximum: int | None = None) -> int:
@@ -98,12 +100,10 @@ class ValidationBudget(Callback):
         val_s = time.perf_counter() - self._val_start
         times = sorted(self._batch_times[1:])  # the first batch pays one-off set-up costs
         batch_s = times[len(times) // 2]
-        decided = (interval_for_budget(val_s, batch_s, self.max_fraction, self.min_interval, self.max_interval),
-                   f"one validation {val_s:.2f} s, one training batch {1000 * batch_s:.1f} ms (median of "
-                   f"{len(times)}): validation <= {self.max_fraction:.0%} of the wall time")
-        if trainer.world_size > 1:
-            decided = trainer.strategy.broadcast(decided, src=0)
-        self.interval, self.reason = decided
+        self.interval, self.reason = on_rank_zero(lambda: (
+            interval_for_budget(val_s, batch_s, self.max_fraction, self.min_interval, self.max_interval),
+            f"one validation {val_s:.2f} s, one training batch {1000 * batch_s:.1f} ms (median of {len(times)}): "
+            f"validation <= {self.max_fraction:.0%} of the wall time"), trainer)  # rank 0's for every process
         trainer.val_check_batch = self.interval
         rank_zero_info(f"ValidationBudget: val_check_interval -> {self.interval} training batches ({self.reason})")
 

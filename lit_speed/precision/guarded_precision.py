@@ -24,6 +24,7 @@ from lit_speed.precision.probe import DEFAULT_MAX_SLOWDOWN, cpu_has_native_bf16,
 from lit_speed.precision.skip_aware_scheduler import SkipAwareScheduler
 from lit_speed.precision.step_timing import auto_mode_for
 from lit_speed.precision.thread_choice import ThreadChoice
+from lit_speed.tuning import on_rank_zero
 
 _WARNED_SLOW: set[torch.dtype] = set()  # the slowness warning is shown once per process and dtype
 
@@ -164,12 +165,12 @@ class GuardedPrecision(GuardReport, Precision):
             self._trainer = trainer
         if not self._resolved:
             strategy = trainer.strategy if trainer is not None else None
-            if trainer is not None and trainer.world_size > 1:  # rank 0 decides for every process
-                decided = self._resolve(self.device_type, probe=True, strategy=strategy) \
-                    if trainer.global_rank == 0 else None
-                self.mode, self.reason = trainer.strategy.broadcast(decided, src=0)
-            else:
-                self.mode, self.reason = self._resolve(self.device_type, probe=True, strategy=strategy)
+
+            def resolve() -> tuple[str, str]:
+                return self._resolve(self.device_type, probe=True, strategy=strategy)
+
+            # rank 0 decides for every process
+            self.mode, self.reason = on_rank_zero(resolve, trainer) if trainer is not None else resolve()
             self._timing_candidates = self._timed_candidates(self.mode, strategy) if trainer is not None else None
             if self._timing_candidates is not None:  # the baseline until the first training batch has been timed
                 self.mode = modes.BASELINE
@@ -282,16 +283,16 @@ class GuardedPrecision(GuardReport, Precision):
         trainer, candidates = self._trainer, self._timing_candidates
         assert trainer is not None and candidates is not None
         self._timing_candidates = None
-        decided = None
-        if trainer.global_rank == 0:
+
+        def time_modes() -> tuple[str, str]:
             rule = self.reason.split("; times ", 1)[0]
             decided = auto_mode_for(trainer.lightning_module, batch, candidates, trainer.strategy.root_device)
             if decided is None or decided[0] not in candidates:
                 decided = (self._resolve(self.device_type or "cpu", probe=True)[0],
                            f"{rule}; {decided[1] if decided else 'could not time this model on its batch'}")
-        if trainer.world_size > 1:
-            decided = trainer.strategy.broadcast(decided, src=0)
-        mode, self.reason = decided
+            return decided
+
+        mode, self.reason = on_rank_zero(time_modes, trainer)
         self._switch_to(mode)
         self._start_mode = self.mode
         rank_zero_info(f"GuardedPrecision: precision=auto -> {self.mode} ({self.reason})")

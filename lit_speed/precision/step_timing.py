@@ -36,7 +36,7 @@ from lit_speed.compat import lightning as pl_compat
 from lit_speed.precision import modes as mode_table
 from lit_speed.precision.fp32_modules import cast_floating
 from lit_speed.precision.master_weights import MasterWeights
-from lit_speed.tuning.machine_cache import cache_dir, disk_cache_enabled, hardware, read_json, write_entry
+from lit_speed.tuning.machine_cache import cache_dir, disk_cache_enabled, machine_key, read_json, write_entry
 from lit_speed.tuning.measured_choice import MIN_GAIN, Decision, choose_fastest, measured_choice, time_interleaved
 
 #: An undecided entry (32-true kept although a low-precision mode timed faster, inside the margin) is timed
@@ -269,8 +269,8 @@ def cache_key(module: nn.Module, batch: Any, modes: Sequence[str]) -> str:
     return json.dumps({
         "procedure": PROCEDURE, "model": f"{type(module).__module__}.{type(module).__qualname__}",
         "params": sum(p.numel() for p in params), "dtypes": sorted({str(p.dtype) for p in params}),
-        "batch": _shapes(batch), "modes": list(modes), "device": str(device), "hardware": hardware(device),
-        "threads": torch.get_num_threads(), "torch": torch.__version__}, sort_keys=True, default=str)
+        "batch": _shapes(batch), "modes": list(modes), "device": str(device), **machine_key(device)},
+        sort_keys=True, default=str)
 
 
 def cache_file() -> Path:

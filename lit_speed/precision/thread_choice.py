@@ -80,13 +80,13 @@ def decided_on_rank_zero(trainer: Any, time_it: Callable[[], Any], kept: Any, ke
     """``(chosen, reason)`` of ``time_it()`` (a :class:`~lit_speed.tuning.Decision`) run on global rank 0 only, and
     broadcast to every process: the ranks must step alike, and one timing is enough. A step the timer cannot run
     keeps ``kept``, its reason ``"<kept_why>: could not time the step (<error type>)"``."""
-    decided = None
-    if trainer.global_rank == 0:
+    from lit_speed.tuning import on_rank_zero
+
+    def decide() -> tuple[Any, str]:
         try:
             decision = time_it()
-            decided = (decision.chosen, decision.reason)
         except Exception as error:  # noqa: BLE001 - a step this timer cannot run: keep what the run has
-            decided = (kept, f"{kept_why}: could not time the step ({type(error).__name__})")
-    if trainer.world_size > 1:
-        decided = trainer.strategy.broadcast(decided, src=0)
-    return decided
+            return kept, f"{kept_why}: could not time the step ({type(error).__name__})"
+        return decision.chosen, decision.reason
+
+    return on_rank_zero(decide, trainer)

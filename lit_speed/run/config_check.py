@@ -6,8 +6,10 @@ in one is named with the user's options beside lit_speed's.
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -232,19 +234,30 @@ def _without_hydra(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def preflight(argv: Sequence[str], config_name: str = "train", config_dir: Path = CONFIG_DIR) -> DictConfig:
-    """Compose the config the way ``scripts/train.py`` will; raise :class:`ConfigError` with a fix on failure.
+@dataclass(frozen=True)
+class CommandLine:
+    """A ``scripts/train.py`` command line as the pre-flight reads it (:func:`read_command_line`).
 
-    Hydra's own flags are read as Hydra reads them: ``--config-path``/``--config-name`` replace the main folder and
-    the primary config, ``--config-dir`` adds a folder, a ``hydra.searchpath=[...]`` override adds folders. Other
-    ``hydra.*`` settings and flags are Hydra's own business.
+    ``overrides``: the ``key=value`` overrides but Hydra's own; ``firsts``: the same with each sweep at its first
+    value; ``searchpath``: ``hydra.searchpath`` overrides; ``multirun``: ``-m``/``--multirun`` was given."""
 
-    Args:
-        argv: The command line after the script name.
-        config_name: The primary config when no ``--config-name`` is given.
-        config_dir: The main config folder when no ``--config-path`` is given.
+    config_name: str
+    config_path: str
+    config_dir: str | None
+    overrides: list[str]
+    firsts: list[str]
+    searchpath: list[str]
+    multirun: bool
+
+
+def read_command_line(argv: Sequence[str], config_name: str = "train", config_dir: Path = CONFIG_DIR) -> CommandLine:
+    """The checks of a command line that need no composition: the run folders, the arguments Hydra refuses, overrides
+    that do not parse, a ``--config-dir`` that is not a folder.
+
+    Raises:
+        ConfigError: Naming the argument and the fix.
     """
-    check_output_dirs(argv)
+    check_output_dirs(list(argv))
     args, unrecognized = parse_command_line(argv)
     if unrecognized:
         flags = " ".join(a for a in argv if a.startswith("-") or a not in args.overrides + unrecognized)
@@ -252,7 +265,6 @@ def preflight(argv: Sequence[str], config_name: str = "train", config_dir: Path 
         raise ConfigError(f"{' '.join(unrecognized)}: Hydra refuses it (unrecognized arguments): it reads key=value "
                           f"overrides in one run, not on both sides of a flag. Fix: python scripts/train.py {flags} "
                           f"{overrides}")
-    config_name = args.config_name or config_name
     searchpath = [a for a in args.overrides if a.lstrip("+~").partition("=")[0] == "hydra.searchpath"]
     overrides = [a for a in args.overrides if ("=" in a or a.startswith("~")) and not a.lstrip("+~").startswith("hydra")]
     firsts = []
@@ -267,35 +279,82 @@ def preflight(argv: Sequence[str], config_name: str = "train", config_dir: Path 
         raise ConfigError(f"--config-dir {args.config_dir}: no such folder ({Path(args.config_dir).resolve()}). Fix: "
                           "--config-dir <the folder that holds your config groups, e.g. my_conf with "
                           "my_conf/model/mine.yaml>")
-    with initialized_like_main(str(ENTRY), args.config_path or str(config_dir), args.config_dir):
-        return _compose_checked(config_name, overrides, firsts, searchpath)
+    return CommandLine(args.config_name or config_name, args.config_path or str(config_dir), args.config_dir,
+                       overrides, firsts, searchpath, bool(args.multirun))
 
 
-def _compose_checked(config_name: str, overrides: list[str], firsts: list[str], searchpath: list[str]) -> DictConfig:
-    """Compose (Hydra initialised), check, and on failure blame the first override whose removal composes."""
+def preflight(argv: Sequence[str], config_name: str = "train", config_dir: Path = CONFIG_DIR) -> DictConfig:
+    """Compose the config the way ``scripts/train.py`` will and check it; raise :class:`ConfigError` with a fix on
+    failure. Returns the composed config without its ``hydra`` node (``scripts/plan.py`` plans it).
+
+    Hydra's own flags are read as Hydra reads them: ``--config-path``/``--config-name`` replace the main folder and
+    the primary config, ``--config-dir`` adds a folder, a ``hydra.searchpath=[...]`` override adds folders. Other
+    ``hydra.*`` settings and flags are Hydra's own business.
+
+    Args:
+        argv: The command line after the script name.
+        config_name: The primary config when no ``--config-name`` is given.
+        config_dir: The main config folder when no ``--config-path`` is given.
+    """
+    command = read_command_line(argv, config_name, config_dir)
+    with initialized_like_main(str(ENTRY), command.config_path, command.config_dir):
+        try:
+            cfg = _compose(command, command.firsts)
+        except yaml.YAMLError as error:  # a config file of the search path (the user's own, usually) does not parse
+            raise ConfigError(_invalid_yaml(error, command.firsts)) from None
+        except (HydraException, OmegaConfBaseException, ValueError) as error:
+            raise _blame(command, str(error).strip()) from None
+        return check_composed(cfg, command.firsts)
+
+
+def explain_composition_error(command: CommandLine) -> ConfigError | None:
+    """What the pre-flight says of a command line whose composition failed (``@hydra.main``'s, in
+    ``scripts/train.py``): composed again the pre-flight's way, the override to blame and why; ``None`` when the
+    overrides' first values compose (a sweep in a single run, a ``hydra.*`` setting): Hydra's own message says it."""
+    with initialized_like_main(str(ENTRY), command.config_path, command.config_dir):
+        try:
+            _compose(command, command.firsts)
+        except yaml.YAMLError as error:
+            return ConfigError(_invalid_yaml(error, command.firsts))
+        except (HydraException, OmegaConfBaseException, ValueError) as error:
+            return _blame(command, str(error).strip())
+    return None
+
+
+def _compose(command: CommandLine, chosen: list[str]) -> DictConfig:
+    """The composition (Hydra initialised) of ``chosen`` overrides and the search path's."""
+    return compose(config_name=command.config_name, overrides=chosen + command.searchpath, return_hydra_config=True)
+
+
+def check_composed(cfg: DictConfig, firsts: Sequence[str]) -> DictConfig:
+    """Every check of a composed config (with its ``hydra`` node, which names the search path's folders), in the
+    pre-flight's order; returns the config without the ``hydra`` node (a copy: ``cfg`` is left as given).
+
+    Args:
+        cfg: The composition (``compose(..., return_hydra_config=True)``, or the one ``@hydra.main`` makes).
+        firsts: The command line's overrides, sweeps at their first value (``optimizer=`` is checked against them).
+    """
     from lit_speed.run.config_rules import check_config  # imported on use: it loads torch
     from lit_speed.run.config_targets import check_optimizer_choice, check_targets
 
-    def composed(chosen: list[str]) -> DictConfig:
-        return compose(config_name=config_name, overrides=chosen + searchpath, return_hydra_config=True)
+    folders = config_folders(cfg)
+    cfg = _without_hydra(copy.deepcopy(cfg))
+    check_targets(cfg, folders)
+    check_optimizer_choice(cfg, list(firsts))
+    for group in ("trainer", "data", "data.datamodule", "model"):
+        check_trainer_types(cfg, group)
+    check_config(cfg, folders)
+    return cfg
 
-    try:
-        cfg = composed(firsts)
-    except yaml.YAMLError as error:  # a config file of the search path (the user's own, usually) does not parse
-        raise ConfigError(_invalid_yaml(error, firsts)) from None
-    except (HydraException, OmegaConfBaseException, ValueError) as error:
-        original = str(error).strip()
-    else:
-        folders = config_folders(cfg)
-        cfg = _without_hydra(cfg)
-        check_targets(cfg, folders)
-        check_optimizer_choice(cfg, firsts)
-        for group in ("trainer", "data", "data.datamodule", "model"):
-            check_trainer_types(cfg, group)
-        check_config(cfg, folders)
-        return cfg
-    # blame the first override whose removal makes composition succeed; with two bad ones, the first that fails
-    # on top of the ones before it
+
+def _blame(command: CommandLine, original: str) -> ConfigError:
+    """Blame the first override whose removal makes composition succeed; with two bad ones, the first that fails on
+    top of the ones before it (Hydra initialised)."""
+    firsts, overrides = command.firsts, command.overrides
+
+    def composed(chosen: list[str]) -> DictConfig:
+        return _compose(command, chosen)
+
     candidates = [(i, firsts[:i] + firsts[i + 1:]) for i in range(len(firsts))]
     candidates += [(i, firsts[:i]) for i in range(len(firsts))]
     for i, rest in candidates:
@@ -306,8 +365,8 @@ def _compose_checked(config_name: str, overrides: list[str], firsts: list[str], 
         if rest == firsts[:i] and _composes(composed, firsts[:i + 1]):
             continue
         message = _explain(firsts[i], cfg_without, config_folders(cfg_without))
-        raise ConfigError(message or f"{overrides[i]}: {' '.join(original.split())}") from None
-    raise ConfigError(original) from None
+        return ConfigError(message or f"{overrides[i]}: {' '.join(original.split())}")
+    return ConfigError(original)
 
 
 def _invalid_yaml(error: yaml.YAMLError, overrides: Sequence[str]) -> str:

@@ -4,7 +4,7 @@
 the optimizer's and the Trainer's numbers, interpolations, precision x strategy, the resume path's shape. What needs
 the built objects is checked later: :mod:`lit_speed.run.model_checks` (the DataModule's tokens against the model,
 activation memory), :mod:`lit_speed.run.resume_checks` (the checkpoint against the model and optimizer),
-:mod:`lit_speed.run.fit_check` (the run's peak RSS), :class:`~lit_speed.run.plan_check.RunPlanCheck` (what only the
+:mod:`lit_speed.run.memory_fit.fit_check` (the run's peak RSS), :class:`~lit_speed.run.plan_check.RunPlanCheck` (what only the
 Trainer knows: batches per epoch).
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from lit_speed.run.config_error import ConfigError
 from lit_speed.run.file_checks import check_text_budget, check_weight_files
 from lit_speed.run.resume_checks import check_checkpoint_path
+from lit_speed.strategies.config_facts import ConfigFacts, config_facts
 
 
 def _short(target: Any) -> str:
@@ -167,12 +168,12 @@ def check_trainer(cfg: DictConfig) -> None:
 _ADAPTER_ARGUMENTS = ("method", "r", "alpha", "dropout", "base_dtype", "base_compute", "up_grad", "export_format")
 
 
-def check_adapters(cfg: DictConfig) -> None:
+def check_adapters(cfg: DictConfig, facts: ConfigFacts | None = None) -> None:
     """``peft.*`` values ``PEFTAdapters`` refuses (``base_dtype=int4``, ``alpha=-1``), refused from the config with
-    the component's own message: ``peft.base_dtype`` also sets the model's ``load_dtype``, whose refusal blamed
+    the component's own message: ``peft.base_dtype`` also sets the model's ``load_dtype``, whose refusal would name
     ``model.pretrained``; and ``scripts/plan.py`` builds no callback at all."""
-    node = cfg.get("peft")
-    if not isinstance(node, DictConfig) or not str(node.get("_target_", "")).endswith(".PEFTAdapters"):
+    node = (facts or config_facts(cfg)).adapters
+    if node is None:
         return
     from lit_speed.finetune.peft_callback import PEFTAdapters
     from lit_speed.run.refusals import with_config_path
@@ -218,98 +219,62 @@ def check_interpolations(cfg: DictConfig) -> None:
     walk(cfg, "")
 
 
-def configured_processes(cfg: DictConfig) -> int | None:
-    """``trainer.devices x trainer.num_nodes`` as configured, or ``None`` where either is not a number (``auto``)."""
-    trainer = cfg.get("trainer")
-    devices = trainer.get("devices", 1) if isinstance(trainer, DictConfig) else 1
-    nodes = trainer.get("num_nodes", 1) if isinstance(trainer, DictConfig) else 1
-    ok = isinstance(devices, int) and isinstance(nodes, int) and devices > 0 and nodes > 0
-    return devices * nodes if ok else None
-
-
-def check_precision_strategy(cfg: DictConfig) -> None:
+def check_precision_strategy(cfg: DictConfig, facts: ConfigFacts | None = None) -> None:
     """Refuse, before any process starts, a precision mode the configured strategy cannot run (bf16-master on
     several processes); ``GuardedPrecision`` would refuse it too, but only in every started process."""
     from lit_speed.precision.modes import TABLE, refused_processes
-    from lit_speed.run.config_targets import locate
 
-    precision, strategy = cfg.get("precision"), cfg.get("strategy")
-    mode = precision.get("mode") if isinstance(precision, DictConfig) else None
+    facts = facts or config_facts(cfg)
+    mode = facts.precision_mode if facts.precision_plugin else None
     if mode not in TABLE or not TABLE[mode].one_process:
-        return  # nothing to ask (and no strategy module to import)
-    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else ""
-    try:
-        cls = locate(target) if target else None
-    except (ImportError, AttributeError):  # an unknown target is refused by the target check, with its own fix
         return
-    classes = [c.__name__ for c in cls.__mro__] if isinstance(cls, type) else []
-    world = configured_processes(cfg)
-    if refused_processes(str(mode), classes, world):
-        name = target.rsplit(".", 1)[-1] or "the default strategy"
+    strategy = facts.strategy
+    if strategy.built and not strategy.classes:  # a target that does not import: the target check names it
+        return
+    world = facts.processes
+    if refused_processes(str(mode), strategy.classes, world):
+        name = strategy.name if strategy.built else "the default strategy"
         raise ConfigError(f"precision={mode} with {name} on {world or 'several'} processes: {mode} runs on "
                           "one process for now (its gradient hook moves each bf16 gradient into the float32 master "
                           "before DDP could all-reduce it). Fix: precision=bf16-mixed for multi-process runs, or "
                           "strategy=zero2 (DeepSpeed keeps float32 masters itself), or trainer.devices=1")
 
 
-#: Callbacks that undo each other: (target, target, why). Both in one run is refused before anything is built.
+#: Callbacks that undo each other: (lit_speed class, lit_speed class, why). Both in one run is refused before
+#: anything is built.
 OPPOSED_CALLBACKS = (
-    ("lit_speed.memory.allocator.KeepFreedMemory", "lit_speed.memory.allocator.ReturnFreedMemory",
+    ("KeepFreedMemory", "ReturnFreedMemory",
      "one keeps freed memory in the process for speed, the other returns it to the system for memory"),
 )
 
 
-def check_callbacks(cfg: DictConfig) -> None:
+def check_callbacks(cfg: DictConfig, facts: ConfigFacts | None = None) -> None:
     """Refuse two callbacks that undo each other (:data:`OPPOSED_CALLBACKS`), naming both keys."""
-    callbacks = cfg.get("callbacks")
-    if not isinstance(callbacks, DictConfig):
-        return
-    keys = {str(node.get("_target_")): key for key, node in callbacks.items_ex(resolve=False)
-            if isinstance(node, DictConfig) and node.get("_target_") is not None}
+    facts = facts or config_facts(cfg)
     for first, second, why in OPPOSED_CALLBACKS:
-        if first in keys and second in keys:
-            a, b = keys[first], keys[second]
+        firsts, seconds = facts.callback_keys(first), facts.callback_keys(second)
+        if firsts and seconds:
+            a, b = firsts[-1], seconds[-1]
             raise ConfigError(f"callbacks: {a} and {b} together: {why}. Fix: keep one "
                               f"(callbacks=[default,{a}] or callbacks=[default,{b}])")
-
-
-#: configs that passed :func:`check_config` in this process (their unresolved YAML): ``scripts/train.py``'s
-#: pre-flight checks the config, and the runner, handed the same config by Hydra, does not check it again
-_PASSED: set[str] = set()
-
-
-def _fingerprint(cfg: DictConfig) -> str:
-    plain = OmegaConf.to_container(cfg, resolve=False)
-    plain.pop("hydra", None)  # Hydra's own node (the pre-flight drops it; @hydra.main never passes it)
-    return OmegaConf.to_yaml(OmegaConf.create(plain))
 
 
 def check_config(cfg: DictConfig, folders: Sequence[Path] = ()) -> None:
     """Every config-only check; raises :class:`ConfigError` on the first failure.
 
-    Once per config and process: a config equal to one that already passed (the pre-flight's, when Hydra hands the
-    runner the same composition) is not checked again; each job of a sweep is checked.
-
     ``folders``: the config search path's folders (``lit_speed.run.config_check.config_folders``), for the fixes.
     """
-    fingerprint = _fingerprint(cfg)
-    if fingerprint in _PASSED:
-        return
-    _check_config(cfg, folders)
-    _PASSED.add(fingerprint)
-
-
-def _check_config(cfg: DictConfig, folders: Sequence[Path]) -> None:
     check_data_model(cfg, folders)  # first: a model without its data also leaves ${data.*} interpolations dangling
     check_interpolations(cfg)
-    check_precision_strategy(cfg)
+    facts = config_facts(cfg)
+    check_precision_strategy(cfg, facts)
     seed = cfg.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"seed={seed!r}: expected an integer or null. Fix: seed=42 (or seed=null for no seeding)")
     check_optimizer(cfg)
     check_trainer(cfg)
-    check_callbacks(cfg)
-    check_adapters(cfg)
+    check_callbacks(cfg, facts)
+    check_adapters(cfg, facts)
     check_checkpoint_path(cfg.get("ckpt_path"))
-    check_text_budget(cfg)  # reads the first text files' sizes
+    check_text_budget(cfg, facts)  # reads the first text files' sizes
     check_weight_files(cfg)  # reads the weight files' headers

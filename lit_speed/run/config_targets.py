@@ -8,7 +8,6 @@ anything is built, in one line naming the key, the class, and the fix (drop the 
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -16,6 +15,7 @@ from typing import Any, Callable, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_speed.run.config_error import ConfigError
+from lit_speed.strategies.config_facts import locate
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "conf"  # lit_speed's own config groups
@@ -36,29 +36,6 @@ def config_folders(cfg: DictConfig | None) -> list[Path]:
     if not sources:
         return [CONFIG_DIR]
     return [Path(s.path).resolve() for s in sources if s.schema == "file"]
-
-
-def locate(path: str) -> Any:
-    """The object a dotted path names (``pkg.module.Class`` or ``pkg.module.Class.attribute``), imported the way
-    Hydra's ``_target_`` is: the longest importable module prefix, then attributes.
-
-    Raises:
-        ModuleNotFoundError: If no prefix imports (``name`` is the missing module), or a module imports a missing one.
-        AttributeError: If the module lacks the attribute.
-    """
-    parts = path.split(".")
-    for end in range(len(parts), 0, -1):
-        name = ".".join(parts[:end])
-        try:
-            found = importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            if error.name is not None and (name == error.name or name.startswith(error.name + ".")):
-                continue  # this prefix (or a parent of it) is not a module: try a shorter one
-            raise
-        for attribute in parts[end:]:
-            found = getattr(found, attribute)
-        return found
-    raise ModuleNotFoundError(f"No module named {parts[0]!r}", name=parts[0])
 
 
 def import_target(target: str, where: str) -> Any:

@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lit_speed.run.config_error import ConfigError
+from lit_speed.strategies.config_facts import ConfigFacts, config_facts
 
 
 def _int_setting(node: DictConfig, key: str) -> int | None:
@@ -33,16 +34,16 @@ def first_readable_texts(files: list[Path], count: int = 2) -> list[tuple[Path, 
     return found
 
 
-def check_text_budget(cfg: DictConfig) -> None:
+def check_text_budget(cfg: DictConfig, facts: ConfigFacts | None = None) -> None:
     """Refuse a ``data.max_bytes`` that the first text file uses up: the corpus would then hold one file and none is
     left for validation, which the DataModule reports as a ``data.root`` without files (a folder of 30 blamed).
 
     Raises:
         ConfigError: Naming ``data.max_bytes``, the first file and a budget that reads two.
     """
-    data = cfg.get("data")
-    if not isinstance(data, DictConfig) or not str(data.get("_target_", "")).endswith("TextFolderDataModule"):
+    if not (facts or config_facts(cfg)).text_folder:
         return
+    data = cfg.data
     max_bytes, root = _int_setting(data, "max_bytes"), data.get("root")
     if max_bytes is None or not isinstance(root, str) or root == "???":
         return
@@ -96,7 +97,7 @@ def check_weight_files(cfg: DictConfig) -> None:
     Raises:
         ConfigError: Naming ``model.pretrained``, the file, what is wrong and the fix.
     """
-    from lit_speed.run.fit_check import hf_folder
+    from lit_speed.run.memory_fit.fit_check import hf_folder
 
     folder = hf_folder(cfg)
     if folder is None:

@@ -26,7 +26,7 @@ from lit_speed.run.config_error import RunStopped
 from lit_speed.run.config_rules import check_config
 from lit_speed.run.config_targets import model_takes_optimizer
 from lit_speed.run.console import quiet_upstream_notices
-from lit_speed.run.fit_gate import check_fits_memory
+from lit_speed.run.memory_fit.fit_gate import check_fits_memory
 from lit_speed.run.model_checks import check_activation_memory, check_tokens_fit_model
 from lit_speed.run.monitor import configured_monitor
 from lit_speed.run.plan_check import RunPlanCheck
@@ -42,6 +42,7 @@ from lit_speed.run_contract import (
     SummaryReport,
     WorkloadReport,
 )
+from lit_speed.strategies.config_facts import config_facts
 from lit_speed.tables import format_rate, print_table
 
 log = logging.getLogger(__name__)
@@ -87,17 +88,16 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
     trainer_kwargs: dict[str, Any] = {}
     plugins: list[Any] = []
-    precision = cfg.get("precision")
-    if precision is not None and "_target_" in precision:
-        plugins.append(hydra.utils.instantiate(precision))
-    elif precision is not None:
-        trainer_kwargs["precision"] = precision.precision  # a Lightning precision literal
+    facts = config_facts(cfg)
+    if facts.precision_plugin:
+        plugins.append(hydra.utils.instantiate(cfg.precision))
+    elif facts.precision_mode is not None:
+        trainer_kwargs["precision"] = facts.precision_mode  # a Lightning precision literal
 
-    strategy_cfg = cfg.get("strategy")
-    if strategy_cfg is not None and "_target_" in strategy_cfg:
-        trainer_kwargs["strategy"] = hydra.utils.instantiate(strategy_cfg)
-    elif strategy_cfg is not None:
-        trainer_kwargs["strategy"] = strategy_cfg.name  # a Lightning strategy registry name
+    if facts.strategy.built:
+        trainer_kwargs["strategy"] = hydra.utils.instantiate(cfg.strategy)
+    elif cfg.get("strategy") is not None:
+        trainer_kwargs["strategy"] = facts.strategy.name  # a Lightning strategy registry name
 
     # init (weights) before peft (adapters on the loaded base), both before every other callback
     callbacks = [*_instantiate_group(cfg.get("init")), *_instantiate_group(cfg.get("peft")),
@@ -150,14 +150,21 @@ def workload_extras(parts: dict[str, Any]) -> list[SummaryExtra]:
             for extra in part.summary_extras()]
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict."""
+def train(cfg: DictConfig, checked: bool = False) -> dict[str, Any]:
+    """Build, print the start-up table, fit, validate, write ``summary.json``; return the summary dict.
+
+    Args:
+        cfg: The composed config.
+        checked: The pre-flight has checked ``cfg`` (``scripts/train.py``: the config ``@hydra.main`` composed,
+            checked before the job started): its config-only checks are not run again.
+    """
     t0 = time.perf_counter()
     before = {"startup": seconds_since_launch()}  # imports, Hydra's composition, the pre-flight
     quiet_upstream_notices()  # Lightning's litlogger tip, torch's deprecation of a name Lightning uses
     paths = config_paths(cfg)
     with refusals_as_config_errors(lambda: True, paths):
-        check_config(cfg)  # the config alone: before anything is built
+        if not checked:
+            check_config(cfg)  # the config alone: before anything is built
         check_activation_memory(cfg)  # probes a short-context copy of the model
         check_fits_memory(cfg)  # a Hugging Face model folder: the peak RSS predicted before its weights are read
         before["checks"] = time.perf_counter() - t0

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from lit_speed.memory.host_memory import describe as describe_host_memory
 from lit_speed.memory.host_memory import host_memory
+from lit_speed.memory.model_state import parameter_counts
 from lit_speed.run.plan_check import largest_accumulation_factor
 from lit_speed.run_contract import (
     AccumulationPlan,
@@ -69,9 +70,8 @@ def startup_rows(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, str]:
     micro = getattr(dm, "batch_size", None)
     world = trainer.world_size
     batch_row, largest_factor = effective_batch_row(micro, world, trainer, parts["callbacks"])
-    params = {id(p): p for p in model.parameters()}.values()  # tied weights once
-    n_params = sum(p.numel() for p in params)
-    n_trainable = sum(p.numel() for p in params if p.requires_grad)
+    counts = parameter_counts(model)  # tied weights once
+    n_params, n_trainable = counts.total, counts.trainable
     precision = trainer.precision_plugin
     rows = {
         "precision": getattr(precision, "precision", str(trainer.precision)),

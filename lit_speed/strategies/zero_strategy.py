@@ -23,7 +23,7 @@ from lit_speed.compat import deepspeed as ds_compat
 from lit_speed.compat import lightning as pl_compat
 from lit_speed.compat.deepspeed import BatchSizeFromLoader
 from lit_speed.interfaces import find_accumulation_decider
-from lit_speed.memory.model_state import ModelStateBytes, ZeroLayout, model_state_bytes
+from lit_speed.memory.model_state import ModelStateBytes, ZeroLayout, model_state_bytes, parameter_counts
 from lit_speed.precision import modes
 from lit_speed.strategies.consolidate import check_resume_world_size
 from lit_speed.strategies.ds_accelerator import use_deepspeed_accelerator
@@ -293,7 +293,7 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
         module = self.lightning_module
         if module is None:
             return
-        n, frozen = _parameter_counts(module)
+        n, frozen = parameter_counts(module)  # every rank holds the frozen ones too
         self._estimate = est = self.memory_estimate(n, frozen_params=frozen)
         rank_zero_info(f"ZeRO-{self.stage} model states per rank: params {format_bytes(est.params)}, grads "
                        f"{format_bytes(est.grads)}, optimizer {format_bytes(est.optimizer)} "
@@ -307,7 +307,7 @@ class ZeroStrategy(BatchSizeFromLoader, DeepSpeedStrategy):
                         f"{self.world_size} rank(s), {self.precision_plugin.precision}"}
         model = model if model is not None else self.lightning_module
         if model is not None:
-            n, frozen = _parameter_counts(model)
+            n, frozen = parameter_counts(model)
             est, ddp = self.memory_estimate(n, frozen_params=frozen), self.memory_estimate(n, 0, frozen)
             counted = f"{n:,} trainable + {frozen:,} frozen parameters: " if frozen else ""
             rows["zero model states / rank"] = (
@@ -379,8 +379,3 @@ def _read_config(config: Mapping[str, Any] | str | Path | None) -> dict[str, Any
     return dict(config)
 
 
-def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """``(trainable, frozen)`` parameter elements, tied weights counted once: every rank holds the frozen ones too."""
-    params = {id(p): p for p in model.parameters()}.values()
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    return trainable, sum(p.numel() for p in params) - trainable

@@ -124,9 +124,19 @@ def measured_choice(name: str, key: Mapping[str, Any], candidates: Mapping[str, 
     return Decision(name, chosen, reason, times, cached_on)
 
 
-def on_rank_zero(decide: Callable[[], Decision]) -> Decision:
-    """``decide()`` on rank 0 only, its decision sent to every process when ``torch.distributed`` runs several:
-    the ranks must step alike, and one timing is enough."""
+def on_rank_zero(decide: Callable[[], Any], trainer: Any = None) -> Any:
+    """``decide()`` on rank 0 only, its answer sent to every process when several run: the ranks must step alike, and
+    one timing is enough. The one "decide on rank 0, then broadcast" of lit_speed.
+
+    Args:
+        decide: Makes the decision (a :class:`Decision`, or any picklable value).
+        trainer: A Lightning ``Trainer``: its ranks and its strategy's ``broadcast`` (any strategy, DeepSpeed's
+            included); ``None``: ``torch.distributed``'s default group, when it is initialised.
+    """
+    if trainer is not None:
+        if trainer.world_size < 2:
+            return decide()
+        return trainer.strategy.broadcast(decide() if trainer.global_rank == 0 else None, src=0)
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:

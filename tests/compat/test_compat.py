@@ -591,3 +591,42 @@ def test_datasets_offline_switch_is_the_module_value_load_dataset_reads(tmp_path
     with hub_offline(True), pytest.raises(ConnectionError, match="OfflineModeIsEnabled"):
         datasets.load_dataset("nobody/no-such-dataset", cache_dir=str(tmp_path))
     assert time.perf_counter() - start < 10 and datasets.config.HF_HUB_OFFLINE == before
+
+
+def test_hydra_main_still_composes_in_get_mode_then_in_run() -> None:
+    # on_main_composition answers Hydra.get_mode's composition (multirun mode, sweeps not validated) with the run's
+    # own, then hands it to Hydra.run, with the hydra.mode=RUN override _run_app adds
+    import inspect
+
+    from hydra._internal import utils
+    from hydra._internal.hydra import Hydra
+
+    from lit_speed.compat.hydra import MODE_RUN
+
+    get_mode = inspect.getsource(Hydra.get_mode)
+    assert "self.compose_config(" in get_mode and "validate_sweep_overrides=False" in get_mode
+    assert "RunMode.MULTIRUN" in get_mode
+    assert "self.compose_config(" in inspect.getsource(Hydra.run)
+    assert f'"{MODE_RUN}"' in inspect.getsource(utils._run_app)
+    assert "self.config_loader.load_configuration(" in inspect.getsource(Hydra.compose_config)
+
+
+# ---------------------------------------------------------------------------------------------- compat.peft
+def test_peft_lora_linear_still_has_what_the_hand_merge_reads() -> None:
+    pytest.importorskip("peft")
+    import peft
+    from peft import LoraConfig, get_peft_model
+
+    from lit_speed.compat import peft as peft_compat
+
+    assert _major_minor(peft.__version__) == _major_minor(peft_compat.PEFT_VERSION), (
+        f"peft {peft.__version__} installed; lit_speed/compat/peft.py was written against {peft_compat.PEFT_VERSION}")
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 3)), LoraConfig(r=2, target_modules=["0"]))
+    layer = model.base_model.model[0]
+    lora = peft_compat.plain_lora_linear(layer)
+    assert lora is not None and lora.adapter == "default" and lora.scaling == 8 / 2 and not lora.fan_in_fan_out
+    assert lora.down.weight.shape == (2, 4) and lora.up.weight.shape == (3, 2)
+    dora = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 3)),
+                          LoraConfig(r=2, target_modules=["0"], use_dora=True))
+    assert peft_compat.plain_lora_linear(dora.base_model.model[0]) is None  # a variant: peft merges it itself
+    assert peft_compat.plain_lora_linear(torch.nn.Linear(4, 3)) is None

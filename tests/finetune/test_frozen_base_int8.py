@@ -121,7 +121,7 @@ def test_trains_fp32_adapters_over_an_int8_base_and_exports_float32_equal_to_mer
 
 def test_the_fit_check_counts_one_byte_per_frozen_weight_and_names_int8_after_bf16(make_cfg, tmp_path):
     pytest.importorskip("transformers")
-    from lit_speed.run import fit_check
+    from lit_speed.run.memory_fit import fit_check, fit_levers
     from tests.helpers.tiny_hf import save_tiny_causal_lm, write_texts
 
     folder = save_tiny_causal_lm(tmp_path / "tiny_qwen2", "qwen2", seed=0)
@@ -130,13 +130,13 @@ def test_the_fit_check_counts_one_byte_per_frozen_weight_and_names_int8_after_bf
     cfg = make_cfg(["model=hf_causal_lm", "data=text_folder", f"model.pretrained={folder}", f"data.root={texts}",
                     "data.block_size=32", "data.batch_size=4", "trainer.max_steps=2", "logger=none", "callbacks=none",
                     "validate=false", "peft=lora", "peft.base_dtype=int8"])
-    configured = fit_check.configured_levers(cfg)
+    configured = fit_levers.configured_levers(cfg)
     assert configured.base_int8 and not configured.base_bf16
     int8 = fit_check.estimate_run(cfg, configured, process_bytes=0)
     bf16 = fit_check.estimate_run(cfg, replace(configured, base_int8=False, base_bf16=True), process_bytes=0)
     facts = fit_check.run_facts(cfg, folder, configured)
     assert bf16.weights - int8.weights == facts.frozen  # 2 -> 1 byte per frozen parameter
-    sets = fit_check.lever_sets(replace(configured, base_int8=False), False)
+    sets = fit_levers.lever_sets(replace(configured, base_int8=False), False)
     names = [s.overrides(replace(configured, base_int8=False), []) for s in sets]
     assert any("peft.base_dtype=int8" in n for n in names)
     assert all(not (s.base_int8 and s.base_bf16) for s in sets)

@@ -195,10 +195,10 @@ class ShardedDataModule(pl.LightningDataModule):
 
 class ReleaseGroupAtExit(Callback):
     """In each spawned worker: the process group released (and DDP's cycles collected) by an atexit hook, so no gloo
-    worker thread is left when the interpreter finalizes (``launch_env.release_process_group_at_exit``)."""
+    worker thread is left when the interpreter finalizes (``process_end.release_process_group_at_exit``)."""
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        from lit_speed.run.launch_env import release_process_group_at_exit
+        from lit_speed.run.process_end import release_process_group_at_exit
 
         release_process_group_at_exit()
 

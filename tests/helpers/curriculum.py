@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 from lit_speed.curriculum import CurriculumDataModule
 from lit_speed.curriculum.sampler import CurriculumSampler, epoch_permutation, shard_of_allowed
-from lit_speed.run.launch_env import end_distributed_process
+from lit_speed.run.process_end import end_distributed_process
 
 N, BS, PACE, STEPS = 64, 4, 6, 10
 

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, 
 
 from lit_speed.data.charlm import CharLMDataModule  # noqa: E402
 from lit_speed.models.gpt import GPTModule  # noqa: E402
-from lit_speed.run.launch_env import end_distributed_process  # noqa: E402
+from lit_speed.run.process_end import end_distributed_process  # noqa: E402
 from lit_speed.strategies.memory_estimate import measured_optimizer_state_bytes  # noqa: E402
 
 CORPUS_BYTES = 200_000

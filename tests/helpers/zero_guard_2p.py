@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lit_speed.precision.guarded_precision import GuardedPrecision  # noqa: E402
-from lit_speed.run.launch_env import end_distributed_process  # noqa: E402
+from lit_speed.run.process_end import end_distributed_process  # noqa: E402
 from lit_speed.strategies.zero_strategy import ZeroStrategy  # noqa: E402
 
 NAN_STEP, STEPS = 2, 5

@@ -128,7 +128,7 @@ def hf_run(tmp_path_factory):
 
 
 def test_the_fit_check_reads_the_cgroup(make_cfg, limited, hf_run):
-    from lit_speed.run.fit_gate import check_fits_memory
+    from lit_speed.run.memory_fit.fit_gate import check_fits_memory
 
     cfg = make_cfg(hf_run)
     check_fits_memory(cfg)  # the machine's memory: a tiny model fits

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from lit_speed.memory.memory_tracker import LiveTensorTracker
+from lit_speed.memory.model_state import parameter_counts
 from lit_speed.memory.rss_estimate import (
     ALLOCATOR_SLACK,
     ScaledProbe,
-    count_parameters,
     load_peak_bytes,
     predict_peak_rss,
     probe_scaled,
@@ -97,6 +97,6 @@ def test_tied_parameters_count_once():
     model = ToyLM(1, 50)
     model.head.weight = model.embed.weight
     model.blocks.requires_grad_(False)
-    frozen, trainable = count_parameters(model)
+    trainable, frozen = parameter_counts(model)
     assert trainable == 50 * 32 + 50  # the tied embedding/head once, the head's bias
     assert frozen == sum(p.numel() for p in model.blocks.parameters())

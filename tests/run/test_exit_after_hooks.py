@@ -1,4 +1,4 @@
-"""How ``scripts/train.py`` ends (``launch_env.exit_after_exit_hooks``): a process that had a process group runs every
+"""How ``scripts/train.py`` ends (``process_end.exit_after_exit_hooks``): a process that had a process group runs every
 atexit hook the run registered, then ends with Python's own status without the interpreter's finalization (where
 gloo's threads aborted finished 2-process runs, exit -6); a run without a group, or with ``LIT_SPEED_EXIT=
 interpreter``, ends as Python ends. Each case in a process of its own, set up as train.py sets itself up."""
@@ -16,8 +16,8 @@ from tests.helpers.repo import ROOT
 
 SCRIPT = """
 import atexit, os, sys
-from lit_speed.run import launch_env
-atexit.register(launch_env.exit_after_exit_hooks)  # first, as in scripts/train.py
+from lit_speed.run import process_end
+atexit.register(process_end.exit_after_exit_hooks)  # first, as in scripts/train.py
 
 class Sentinel:
     # runs only in the interpreter's finalization (module teardown); os.write bound now: by then `os` may already be
@@ -37,7 +37,7 @@ if {group}:
 def main():
     {body}
 
-launch_env.run_and_release(main)  # as scripts/train.py runs its Hydra main
+process_end.run_and_release(main)  # as scripts/train.py runs its Hydra main
 """
 
 
@@ -80,7 +80,7 @@ def test_without_a_group_or_when_asked_the_interpreter_ends_the_run(group, env):
 
 OWN_SCRIPT = """
 import atexit, os
-from lit_speed.run.launch_env import end_distributed_process
+from lit_speed.run.process_end import end_distributed_process
 atexit.register(lambda: os.write(1, b"imported hook\\n"))  # registered at import, before the run (logging's is)
 
 class Sentinel:
@@ -116,7 +116,7 @@ def test_a_script_of_ones_own_ends_through_end_distributed_process(group, env, l
 
 SPAWNED_WORKER = """
 import atexit, os, torch, torch.distributed as dist
-from lit_speed.run.launch_env import release_process_group_at_exit
+from lit_speed.run.process_end import release_process_group_at_exit
 
 def gloo_threads():
     names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]

@@ -1,4 +1,4 @@
-"""Will a Hugging Face fine-tune fit? lit_speed.run.fit_check: the estimate's parts, the refusal before loading, and
+"""Will a Hugging Face fine-tune fit? lit_speed.run.memory_fit.fit_check: the estimate's parts, the refusal before loading, and
 (slow tier) the predicted peak RSS against the measured one on a ~50M-parameter model."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("transformers")
 
 from lit_speed.memory.rss_estimate import RSSEstimate  # noqa: E402
-from lit_speed.run import fit_check, fit_check_gpu, fit_gate  # noqa: E402
 from lit_speed.run.config_error import ConfigError  # noqa: E402
+from lit_speed.run.memory_fit import fit_check, fit_check_gpu, fit_gate, fit_levers  # noqa: E402
 from lit_speed.run.runner import train  # noqa: E402
 from tests.helpers.repo import ROOT  # noqa: E402
 from tests.helpers.tiny_hf import save_tiny_causal_lm, write_texts  # noqa: E402
@@ -47,7 +47,7 @@ def test_the_estimate_counts_every_parameter_and_the_levers_move_it_the_right_wa
     n = sum({id(p): p.numel() for p in model.parameters()}.values())  # tied embeddings once
     assert full.weights == 4 * n and full.optimizer == 8 * n  # float32 weights, AdamW's two float32 moments
     assert full.step > 0 and full.peak >= full.training_peak > 0
-    configured = fit_check.configured_levers(cfg)
+    configured = fit_levers.configured_levers(cfg)
     lora = fit_check.estimate_run(cfg, replace(configured, lora=True, base_bf16=True), process_bytes=0)
     assert lora.weights < 0.7 * full.weights and lora.optimizer < full.optimizer / 4  # tiny: r=8 is large here
     small = fit_check.estimate_run(cfg, replace(configured, micro_batch=1), process_bytes=0)
@@ -61,7 +61,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_the_weights_load(ma
     peaks = {False: 30 * gib, True: 6 * gib}  # full fine-tuning / LoRA
 
     def estimate(cfg, levers=None, process_bytes=None, facts=None, cache=None):
-        levers = levers or fit_check.configured_levers(cfg)
+        levers = levers or fit_levers.configured_levers(cfg)
         return RSSEstimate(process=gib, weights=peaks[levers.lora] - gib, optimizer=0, step=0, optimizer_step=0,
                            load=0, slack=1.0)
 
@@ -118,9 +118,9 @@ def test_a_gpu_run_is_judged_by_its_host_side_not_by_the_cpu_step(make_cfg, fold
     fit_gate.check_fits_memory(gpu, available_bytes=8 * 2**30)  # the tiny model's host side fits: no refusal
     model = AutoModelForCausalLM.from_pretrained(folder)
     n = sum({id(p): p.numel() for p in model.parameters()}.values())
-    facts = fit_check.run_facts(gpu, folder, fit_check.configured_levers(gpu))
-    load, end = fit_check_gpu.gpu_run_host_bytes(gpu, facts, fit_check.configured_levers(gpu))
-    export = fit_check.export_bytes(gpu, facts, fit_check.configured_levers(gpu))
+    facts = fit_check.run_facts(gpu, folder, fit_levers.configured_levers(gpu))
+    load, end = fit_check_gpu.gpu_run_host_bytes(gpu, facts, fit_levers.configured_levers(gpu))
+    export = fit_check.export_bytes(gpu, facts, fit_levers.configured_levers(gpu))
     assert end == 4 * n + 8 * n + export and load >= 4 * n  # float32 weights and AdamW's two moments, then the export
     with pytest.raises(ConfigError, match=r"this run trains on the GPU and needs about .* of host RAM at its peak "
                                           r"\(loading the weights .*Lightning's teardown moves the weights and the "
@@ -138,7 +138,7 @@ def test_on_one_gpu_the_step_is_judged_against_the_devices_free_memory(make_cfg,
     assert need == int((estimate.weights + estimate.optimizer + max(estimate.step, estimate.optimizer_step))
                        * fit_check_gpu.GPU_SLACK) and estimate.weights > 0 and estimate.step > 0
     fit_gate.check_fits_memory(gpu, available_bytes=8 * 2**30, gpu_free_bytes=need)  # exactly enough: runs
-    lora = fit_check.estimate_run(gpu, replace(fit_check.configured_levers(gpu), lora=True), process_bytes=0)
+    lora = fit_check.estimate_run(gpu, replace(fit_levers.configured_levers(gpu), lora=True), process_bytes=0)
     assert fit_check_gpu.gpu_step_bytes(lora) < need
     with pytest.raises(ConfigError, match=r"this run's step needs about .* of GPU memory \(weights .*, optimizer "
                                           r".*, step .*\), cuda:0 has .* free\. Fix: .* \(predicted .*\)"):
@@ -161,7 +161,7 @@ def test_the_gpu_side_is_judged_for_one_process_on_one_gpu_only(make_cfg, folder
 ACCURACY_SCRIPT = r"""
 import json, resource, sys
 from lit_speed.run.config_check import preflight
-from lit_speed.run import fit_check
+from lit_speed.run.memory_fit import fit_check, fit_levers
 from lit_speed.run.runner import train
 cfg = preflight(sys.argv[1:])
 estimate = fit_check.estimate_run(cfg)
@@ -190,7 +190,7 @@ def _qwen2_50m(folder):
 GPU_ACCURACY_SCRIPT = r"""
 import json, sys, torch
 from lit_speed.run.config_check import preflight
-from lit_speed.run import fit_check
+from lit_speed.run.memory_fit import fit_check, fit_levers
 from lit_speed.run.runner import train
 cfg = preflight(sys.argv[1:])
 estimate = fit_check.estimate_run(cfg, process_bytes=0)
@@ -306,8 +306,8 @@ def test_larger_loss_chunks_than_the_probes_are_counted_in_the_step():
     def facts(vocab):
         return SimpleNamespace(vocab=vocab, precision="32-true", config=SimpleNamespace(hidden_size=896))
 
-    levers = fit_check.Levers(chunked_loss=True)
-    assert fit_check.loss_chunk_mib(cfg("auto")) == "auto" and fit_check.loss_chunk_mib(cfg(64)) == 64.0
+    levers = fit_levers.Levers(chunked_loss=True)
+    assert fit_levers.loss_chunk_mib(cfg("auto")) == "auto" and fit_levers.loss_chunk_mib(cfg(64)) == 64.0
     assert fit_check._chunk_extra(cfg("auto"), facts(151_936), levers, 2048) == (880 - 220) * 151_936 * 4
     assert fit_check._chunk_extra(cfg(None), facts(151_936), levers, 2048) == (880 - 220) * 151_936 * 4  # the default
     assert fit_check._chunk_extra(cfg(128), facts(151_936), levers, 2048) == 0
@@ -323,7 +323,7 @@ def test_the_probe_measures_the_same_bytes_without_computing_the_products(make_c
     """The probe's matmuls return zeros of their shape (memory_tracker.SkipMatmuls): at 0.5B dims they were most of
     the fit check's time (the LM head at the real vocabulary). The bytes it measures are the same as computing them."""
     cfg = make_cfg(_args(folder, texts, *overrides))
-    levers = fit_check.configured_levers(cfg)
+    levers = fit_levers.configured_levers(cfg)
     facts = fit_check.run_facts(cfg, fit_check.hf_folder(cfg), levers)
     skipped = fit_check._probe(cfg, facts, levers)
     computed = fit_check._probe(cfg, facts, levers, skip_matmuls=False)

@@ -82,7 +82,7 @@ def test_the_entry_point_releases_the_process_group_it_leaves():
     interpreter's static destructors aborted a finished 2-process ZeRO run, exit -6, 1 time in ~14). In a process of
     its own: this one may hold a group other tests made."""
     code = ("import os, torch.distributed as dist\n"
-            "from lit_speed.run.launch_env import release_process_group\n"
+            "from lit_speed.run.process_end import release_process_group\n"
             "release_process_group()\n"  # no group: nothing to do
             f"os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='{free_port()}')\n"
             "dist.init_process_group('gloo', rank=0, world_size=1)\n"

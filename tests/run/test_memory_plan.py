@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lit_speed.run.config_check import preflight
-from lit_speed.run.memory_plan import configured_run, usable_micro_batches
+from lit_speed.run.memory_fit.memory_plan import configured_run, usable_micro_batches
 from tests.helpers.repo import ROOT
 
 

@@ -13,7 +13,7 @@ import pytest
 from omegaconf import DictConfig
 
 from lit_speed.run.config_check import preflight
-from lit_speed.run.config_rules import configured_processes
+from lit_speed.strategies.config_facts import configured_processes
 from tests.helpers.repo import CONF, compose_config
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))

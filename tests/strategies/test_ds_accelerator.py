@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CUDA_AT_IMPORT_CPU_RUN = """
 import json
 from deepspeed.accelerator import get_accelerator
-from lit_speed.run.launch_env import end_distributed_process
+from lit_speed.run.process_end import end_distributed_process
 from lit_speed.strategies.zero_strategy import ZeroStrategy
 from tests.helpers.zero import make_run, make_trainer
 at_import = get_accelerator().device_name()

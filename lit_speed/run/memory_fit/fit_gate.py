@@ -1,7 +1,8 @@
 """The refusal before the weights load: :func:`check_fits_memory`, what ``scripts/train.py`` runs for a Hugging Face
-model folder. The predictions are :mod:`lit_speed.run.fit_check`'s (the process's peak RSS of a CPU run) and
-:mod:`lit_speed.run.fit_check_gpu`'s (a GPU run's host side and its step on one GPU); both are judged the same way:
-no probe where a generous bound fits, the configured levers' estimate, then the cheapest lever set that fits."""
+model folder. The predictions are :mod:`~lit_speed.run.memory_fit.fit_check`'s (the process's peak RSS of a CPU run)
+and :mod:`~lit_speed.run.memory_fit.fit_check_gpu`'s (a GPU run's host side and its step on one GPU); both are judged
+the same way: no probe where a generous bound fits, the configured levers' estimate, then the cheapest lever set that
+fits."""
 from __future__ import annotations
 
 import warnings
@@ -10,16 +11,16 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig
 
-from lit_speed.run import fit_check, fit_check_gpu
 from lit_speed.run.config_error import ConfigError
+from lit_speed.run.memory_fit import fit_check, fit_check_gpu, fit_levers
 
 
 def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None, gpu_free_bytes: int | None = None) -> None:
     """Refuse, before the weights are read, a Hugging Face run whose predicted peak RSS exceeds the memory this
-    machine has free, naming the cheapest lever set (:func:`~lit_speed.run.fit_check.lever_sets`) that fits. A run on
-    a GPU is judged by what it holds in the host's RAM and, on one GPU, by its step's GPU memory against the device's
-    free memory (:mod:`lit_speed.run.fit_check_gpu`; ``gpu_free_bytes`` stands in for ``torch.cuda.mem_get_info`` in
-    tests)."""
+    machine has free, naming the cheapest lever set (:func:`~lit_speed.run.memory_fit.fit_levers.lever_sets`) that
+    fits. A run on a GPU is judged by what it holds in the host's RAM and, on one GPU, by its step's GPU memory against
+    the device's free memory (:mod:`~lit_speed.run.memory_fit.fit_check_gpu`; ``gpu_free_bytes`` stands in for
+    ``torch.cuda.mem_get_info`` in tests)."""
     import psutil
 
     from lit_speed.memory.host_memory import host_memory
@@ -30,7 +31,7 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None, gpu_f
     process = psutil.Process().memory_info().rss
     available = host_memory().available if available_bytes is None else available_bytes
     budget = process + available
-    configured = fit_check.configured_levers(cfg)
+    configured = fit_levers.configured_levers(cfg)
     # the meta-device model and the optimizer, built once
     facts = fit_check.run_facts(cfg, fit_check.hf_folder(cfg), configured)
     if fit_check_gpu.trains_on_gpu(cfg):
@@ -53,7 +54,7 @@ def check_fits_memory(cfg: DictConfig, available_bytes: int | None = None, gpu_f
                       "Fix: a smaller model, data.block_size, or a machine with more memory")
 
 
-def _judge(cfg: DictConfig, facts: fit_check.RunFacts, configured: fit_check.Levers, process: int, budget: int,
+def _judge(cfg: DictConfig, facts: fit_check.RunFacts, configured: fit_levers.Levers, process: int, budget: int,
            need: Callable[[Any], int], unchecked: str) -> tuple[Any, tuple[str, int] | None] | None:
     """None when the run fits (by the generous bound without a probe, or by the configured levers' estimate) or its
     probe cannot run (a warning: ``unchecked`` with the error); else the configured estimate and the cheapest lever
@@ -64,20 +65,20 @@ def _judge(cfg: DictConfig, facts: fit_check.RunFacts, configured: fit_check.Lev
     try:
         estimate = fit_check.estimate_run(cfg, configured, process, facts, cache=cache)
     except Exception as error:  # noqa: BLE001 - a probe that cannot run must not stop a run it cannot judge
-        warnings.warn("lit_speed.run.fit_check: " + unchecked.format(f"{type(error).__name__}: {error}"),
+        warnings.warn("lit_speed.run.memory_fit.fit_check: " + unchecked.format(f"{type(error).__name__}: {error}"),
                       stacklevel=3)
         return None
     if need(estimate) <= budget:
         return None
-    callbacks = list(fit_check.callback_nodes(cfg))
-    for levers in fit_check.lever_sets(configured, not configured.lora)[1:]:
+    callbacks = list(fit_levers.callback_nodes(cfg))
+    for levers in fit_levers.lever_sets(configured, not configured.lora)[1:]:
         other = need(fit_check.estimate_run(cfg, levers, process, cache=cache))
         if other <= budget:
             return estimate, (" ".join(levers.overrides(configured, callbacks)), other)
     return estimate, None
 
 
-def _check_gpu_run(cfg: DictConfig, facts: fit_check.RunFacts, configured: fit_check.Levers, process: int,
+def _check_gpu_run(cfg: DictConfig, facts: fit_check.RunFacts, configured: fit_levers.Levers, process: int,
                    budget: int, gpu_free_bytes: int | None) -> None:
     """A run that trains on a GPU: the host side against ``budget`` (the process's RSS + the RAM available), then,
     for one process on one GPU, the step against the device's free memory."""

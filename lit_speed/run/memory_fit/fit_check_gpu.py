@@ -3,8 +3,9 @@
 A GPU run holds its weights in the host's RAM while they load and, at the end of fit, again (Lightning's
 ``Strategy.teardown`` moves the module and the optimizer state to the CPU, and the export writes from there):
 :func:`gpu_run_host_bytes`. Its step lives on the GPU: :func:`gpu_step_bytes` predicts it with the same CPU probe as
-:mod:`lit_speed.run.fit_check` (the run's precision under CPU autocast, eager); :mod:`lit_speed.run.fit_gate`
-refuses, before the weights load, a run that will not fit either, naming what would.
+:mod:`~lit_speed.run.memory_fit.fit_check` (the run's precision under CPU autocast, eager);
+:mod:`~lit_speed.run.memory_fit.fit_gate` refuses, before the weights load, a run that will not fit either, naming
+what would.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lit_speed.run import fit_check
+from lit_speed.run.memory_fit import fit_check, fit_levers
+from lit_speed.strategies.config_facts import config_facts
 
 
 def trains_on_gpu(cfg: DictConfig) -> bool:
@@ -22,7 +24,7 @@ def trains_on_gpu(cfg: DictConfig) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
-def gpu_run_host_bytes(cfg: DictConfig, facts: fit_check.RunFacts, levers: fit_check.Levers) -> tuple[int, int]:
+def gpu_run_host_bytes(cfg: DictConfig, facts: fit_check.RunFacts, levers: fit_levers.Levers) -> tuple[int, int]:
     """What a GPU run holds in the host's RAM beyond the process: ``(load, end)``. ``load``: the weights while
     ``from_pretrained`` reads them (then they move to the GPU); ``end``: Lightning's ``Strategy.teardown`` moves the
     module and the optimizer's state back to the CPU before ``on_fit_end`` (measured on an H200, 0.5B full
@@ -45,9 +47,8 @@ def gpu_to_judge(cfg: DictConfig) -> int | None:
     more than one process (DDP and ZeRO hold the state per rank differently), or a strategy other than ``auto``."""
     if not trains_on_gpu(cfg):
         return None
-    strategy = cfg.get("strategy")
-    name = str(strategy.get("name", "auto")) if isinstance(strategy, DictConfig) else str(strategy or "auto")
-    if fit_check.target_of(strategy) or name != "auto":
+    strategy = config_facts(cfg).strategy
+    if strategy.built or strategy.name != "auto":
         return None
     devices = OmegaConf.select(cfg, "trainer.devices", default=1)
     nodes = OmegaConf.select(cfg, "trainer.num_nodes", default=1)

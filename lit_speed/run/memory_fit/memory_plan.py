@@ -20,9 +20,8 @@ from lit_speed.memory.model_state import STRATEGIES, ZeroLayout
 from lit_speed.memory.planner import Plan, PlanRow, plan
 from lit_speed.precision.modes import AUTO, PLAN_CANDIDATES, TIMED_CANDIDATES
 from lit_speed.run.config_error import ConfigError
-from lit_speed.run.config_rules import configured_processes
 from lit_speed.run.config_targets import CONFIG_DIR
-from lit_speed.run.fit_levers import target_of
+from lit_speed.strategies.config_facts import ConfigFacts, config_facts
 
 #: Micro-batches compared with the configured one when none are named.
 MICRO_BATCHES = (4, 8, 16, 32)
@@ -47,47 +46,40 @@ class ConfiguredRun:
                 and row.world_size == self.world_size)
 
 
-def configured_precisions(cfg: DictConfig) -> list[str]:
+def configured_precisions(cfg: DictConfig, facts: ConfigFacts | None = None) -> list[str]:
     """The mode the config trains in; for ``auto``, the modes it times on a CPU with native bf16."""
-    node = cfg.get("precision")
-    mode = node.get("mode") if isinstance(node, DictConfig) and "_target_" in node else \
-        node.get("precision") if isinstance(node, DictConfig) else None
+    mode = (facts or config_facts(cfg)).precision_mode
     if mode is None:
         return []
-    return list(TIMED_CANDIDATES) if mode == AUTO else [str(mode)]
+    return list(TIMED_CANDIDATES) if mode == AUTO else [mode]
 
 
-def configured_strategy(cfg: DictConfig) -> str:
-    """The ``conf/strategy`` option whose layout (ZeRO stage, offload) the config's strategy trains in.
+def configured_strategy(cfg: DictConfig, facts: ConfigFacts | None = None) -> str:
+    """The ``conf/strategy`` option whose layout (ZeRO stage, offload) the config's strategy trains in: a
+    ``ZeroStrategy``'s stage and offload, ``ddp`` for Lightning's DDP, else ``auto`` (a registry name, another
+    DeepSpeed strategy).
 
     Raises:
         ConfigError: For a ZeRO layout no option plans (e.g. stage 1 with offload): name one with ``--strategies``.
     """
-    node = cfg.get("strategy")
-    if not isinstance(node, DictConfig) or "_target_" not in node:
-        return "auto"
-    target = str(node._target_)
-    if target.endswith("ZeroStrategy"):
-        layout = ZeroLayout(int(node.get("stage", 2)), bool(node.get("offload_optimizer")),
-                            bool(node.get("offload_parameters")), deepspeed=True)
+    strategy = (facts or config_facts(cfg)).strategy
+    if strategy.zero:
+        layout = ZeroLayout(strategy.stage, strategy.offload_optimizer, strategy.offload_parameters, deepspeed=True)
         option = next((name for name, known in STRATEGIES.items() if known == layout), None)
         if option is None:
             raise ConfigError(f"strategy: the planner has no option for {layout} (it plans {', '.join(STRATEGIES)}). "
                               "Fix: --strategies <one of those>")
         return option
-    return "ddp" if "DDP" in target else "auto"
+    return "ddp" if strategy.ddp and not strategy.deepspeed else "auto"
 
 
-def configured_world_size(cfg: DictConfig) -> int:
+def configured_world_size(cfg: DictConfig, facts: ConfigFacts | None = None) -> int:
     """The configured processes; 1 where the config leaves them to the machine (``trainer.devices=auto``)."""
-    return configured_processes(cfg) or 1
+    return (facts or config_facts(cfg)).processes or 1
 
 
-def configured_checkpointing(cfg: DictConfig) -> bool:
-    callbacks = cfg.get("callbacks")
-    return isinstance(callbacks, DictConfig) and any(
-        isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith("ActivationCheckpointing")
-        for node in callbacks.values())
+def configured_checkpointing(cfg: DictConfig, facts: ConfigFacts | None = None) -> bool:
+    return (facts or config_facts(cfg)).checkpointing
 
 
 def usable_micro_batches(cfg: DictConfig, candidates: Sequence[int], world_size: int) -> tuple[list[int], list[str]]:
@@ -114,7 +106,8 @@ def _default_callbacks() -> list[str]:
     return [str(e) for e in entries if isinstance(e, str) and e != "_self_"]
 
 
-def configured_run(cfg: DictConfig) -> ConfiguredRun:
+def configured_run(cfg: DictConfig, facts: ConfigFacts | None = None) -> ConfiguredRun:
+    facts = facts or config_facts(cfg)
     batch = cfg.get("data", {}).get("batch_size") if isinstance(cfg.get("data"), DictConfig) else None
     callbacks = cfg.get("callbacks")
     options = [str(k) for k, v in callbacks.items() if isinstance(v, DictConfig) and k != "activation_checkpointing"] \
@@ -122,8 +115,9 @@ def configured_run(cfg: DictConfig) -> ConfiguredRun:
     default = _default_callbacks()
     if default and set(default) <= set(options):
         options = ["default", *[o for o in options if o not in default]]
-    return ConfiguredRun(configured_precisions(cfg), batch if isinstance(batch, int) else None,
-                         configured_strategy(cfg), configured_world_size(cfg), configured_checkpointing(cfg), options)
+    return ConfiguredRun(configured_precisions(cfg, facts), batch if isinstance(batch, int) else None,
+                         configured_strategy(cfg, facts), configured_world_size(cfg, facts),
+                         configured_checkpointing(cfg, facts), options)
 
 
 def plan_run(cfg: DictConfig, overrides: Sequence[str], budget_bytes: int | None = None,
@@ -143,7 +137,8 @@ def plan_run(cfg: DictConfig, overrides: Sequence[str], budget_bytes: int | None
     Raises:
         ConfigError: When the config's accumulation schedule leaves no micro-batch to plan.
     """
-    configured = configured_run(cfg)
+    facts = config_facts(cfg)
+    configured = configured_run(cfg, facts)
     world = world_size or configured.world_size
     candidates = list(micro_batches) if micro_batches else sorted({*MICRO_BATCHES, *([configured.micro_batch]
                                                                                       if configured.micro_batch else [])})
@@ -155,9 +150,8 @@ def plan_run(cfg: DictConfig, overrides: Sequence[str], budget_bytes: int | None
     datamodule = hydra.utils.instantiate(cfg.data)
     factory = hydra.utils.instantiate(cfg.optimizer, _convert_="all")
     model = hydra.utils.instantiate(cfg.model, optimizer=factory)
-    peft = cfg.get("peft")
-    if target_of(peft).endswith("PEFTAdapters"):  # adapters on a frozen base: fewer gradients and optimizer state
-        hydra.utils.instantiate(peft, export_dir=None).prepare_model(model)  # no run folder here
+    if facts.adapters is not None:  # adapters on a frozen base: fewer gradients and optimizer state
+        hydra.utils.instantiate(facts.adapters, export_dir=None).prepare_model(model)  # no run folder here
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     if checkpoint is None:  # the repeated blocks (GPT: Block); a model without them gets no checkpointing rows

@@ -4,9 +4,10 @@ and the overrides that turn one into another (:meth:`Levers.overrides`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from omegaconf import DictConfig
+
+from lit_speed.strategies.config_facts import ConfigFacts, config_facts
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,8 @@ class Levers:
 LEVERS = ("chunked_loss", "base_bf16", "low_bit_states", "checkpointing", "base_int8", "lora")
 
 
-def target_of(node: Any) -> str:
-    return str(node.get("_target_", "")) if isinstance(node, DictConfig) else ""
-
-
 def callback_nodes(cfg: DictConfig) -> dict[str, DictConfig]:
+    """``{key: node}`` of the configured callbacks (their keys name the options a lever set's overrides keep)."""
     node = cfg.get("callbacks")
     if not isinstance(node, DictConfig):
         return {}
@@ -62,27 +60,25 @@ def callback_nodes(cfg: DictConfig) -> dict[str, DictConfig]:
     return {k: v for k, v in node.items() if isinstance(v, DictConfig) and "_target_" in v}
 
 
-def configured_levers(cfg: DictConfig) -> Levers:
-    callbacks = [target_of(v) for v in callback_nodes(cfg).values()]
-    peft = cfg.get("peft")
-    lora = target_of(peft).endswith("PEFTAdapters") and peft.get("method", "lora") != "freeze"
-    optimizer = target_of(cfg.get("optimizer"))
-    bits = 8 if optimizer.endswith("AdamW8bit") else 4 if optimizer.endswith("AdamW4bit") else 0
-    return Levers(chunked_loss=any(t.endswith("ChunkedLMLoss") for t in callbacks)
-                  or cfg.model.get("loss_chunk_mib") is not None,
-                  checkpointing=any(t.endswith("ActivationCheckpointing") for t in callbacks),
+def configured_levers(cfg: DictConfig, facts: ConfigFacts | None = None) -> Levers:
+    """The levers ``cfg`` has on, read from its :func:`~lit_speed.strategies.config_facts.config_facts`."""
+    facts = facts or config_facts(cfg)
+    peft = facts.adapters
+    lora = facts.lora
+    return Levers(chunked_loss=facts.chunked_loss is not None or cfg.model.get("loss_chunk_mib") is not None,
+                  checkpointing=facts.checkpointing,
                   base_bf16=lora and peft.get("base_dtype") == "bf16",
-                  base_int8=lora and peft.get("base_dtype") == "int8", low_bit_states=bits,
+                  base_int8=lora and peft.get("base_dtype") == "int8", low_bit_states=facts.low_bit_states,
                   micro_batch=int(cfg.data.batch_size), lora=lora)
 
 
-def loss_chunk_mib(cfg: DictConfig) -> float | str:
+def loss_chunk_mib(cfg: DictConfig, facts: ConfigFacts | None = None) -> float | str:
     """The chunked loss's configured budget (MiB of logits, or ``"auto"``); ``"auto"`` where the config chunks
     nothing (a lever set that adds ``chunked_loss`` adds the callback's default)."""
-    for node in callback_nodes(cfg).values():
-        if target_of(node).endswith("ChunkedLMLoss"):
-            value = node.get("chunk_mib", "auto")
-            return "auto" if value == "auto" else float(value)
+    node = (facts or config_facts(cfg)).chunked_loss
+    if node is not None:
+        value = node.get("chunk_mib", "auto")
+        return "auto" if value == "auto" else float(value)
     value = cfg.model.get("loss_chunk_mib") if isinstance(cfg.get("model"), DictConfig) else None
     return "auto" if value is None else float(value)
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from lit_speed.finetune.adapters import add_adapters, module_names_matching, parameter_counts
+from lit_speed.finetune.adapters import add_adapters, module_names_matching
 from lit_speed.finetune.export import export_merged
 from lit_speed.finetune.peft_callback import PEFTAdapters
+from lit_speed.memory.model_state import parameter_counts
 from lit_speed.models.gpt import GPTModule
 from lit_speed.run.config_error import ConfigError
 from lit_speed.run.runner import train
@@ -30,11 +31,11 @@ def _gpt(seed: int = 0) -> GPTModule:
 
 def test_lora_by_names_freezes_the_base_and_counts_rank_times_width():
     model = _gpt()
-    total_before = parameter_counts(model)[1]
+    total_before = parameter_counts(model).total
     targets = add_adapters(model, "lora", ["qkv", "fc"], r=4)
     assert targets == ["model.blocks.0.attn.qkv", "model.blocks.0.mlp.fc", "model.blocks.1.attn.qkv",
                        "model.blocks.1.mlp.fc"]
-    trainable, total = parameter_counts(model)
+    trainable, total = parameter_counts(model).trainable, parameter_counts(model).total
     # r * (d_in + d_out) per layer: qkv 32 -> 96, fc 32 -> 128
     assert trainable == 2 * 4 * ((32 + 96) + (32 + 128))
     assert total == total_before + trainable

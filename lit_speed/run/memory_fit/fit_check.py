@@ -3,9 +3,10 @@
 :func:`estimate_run` predicts the process's peak RSS for ``model=hf_causal_lm`` runs
 (:mod:`lit_speed.memory.rss_estimate`: the process as it is, exact parameter counts from the architecture built on
 the meta device with the run's adapters, the optimizer's declared state, and a scaled probe of one step of the same
-architecture at 1-2 layers prepared with the run's levers). :func:`lit_speed.run.fit_gate.check_fits_memory`
-refuses a run that will not fit, naming the cheapest set of levers that would (:data:`LEVERS`, in order of what
-they cost in speed), and ``scripts/plan.py`` prints the same estimate for every lever set.
+architecture at 1-2 layers prepared with the run's levers).
+:func:`~lit_speed.run.memory_fit.fit_gate.check_fits_memory` refuses a run that will not fit, naming the cheapest set
+of levers that would (:data:`~lit_speed.run.memory_fit.fit_levers.LEVERS`, in order of what they cost in speed), and
+``scripts/plan.py`` prints the same estimate for every lever set.
 """
 from __future__ import annotations
 
@@ -23,34 +24,34 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
-from lit_speed.run.fit_levers import (  # noqa: F401 - re-exported: the fit check's callers import them here
-    LEVERS,
-    Levers,
-    callback_nodes,
-    configured_levers,
-    lever_sets,
-    loss_chunk_mib,
-    target_of,
-)
+from lit_speed.run.config_targets import CONFIG_DIR
+from lit_speed.run.memory_fit.fit_levers import Levers, configured_levers, loss_chunk_mib
+from lit_speed.strategies.config_facts import config_facts
 
 
 def hf_folder(cfg: DictConfig) -> Path | None:
     """The local model folder of a ``model=hf_causal_lm`` run (None for other models and hub ids)."""
-    model = cfg.get("model")
-    if not target_of(model).endswith("HFCausalLM"):
+    if not config_facts(cfg).hf_model:
         return None
-    folder = Path(str(model.get("pretrained"))).expanduser()
+    folder = Path(str(cfg.model.get("pretrained"))).expanduser()
     return folder if (folder / "config.json").is_file() else None
 
 
+#: ``conf/peft/lora.yaml``: the adapters a lever set that adds ``peft=lora`` trains with.
+LORA_OPTION = CONFIG_DIR / "peft" / "lora.yaml"
+#: The adapters' own keys (others, such as ``export_dir``, may point at ``${hydra:...}``, unset outside a Hydra run).
+_ADAPTER_KEYS = ("method", "target_modules", "r", "alpha", "dropout", "trainable_modules", "options")
+
+
 def _adapter_args(cfg: DictConfig, lora: bool) -> dict[str, Any] | None:
-    peft = cfg.get("peft")
-    if target_of(peft).endswith("PEFTAdapters"):
-        # only the adapter's own keys: others (export_dir) may point at ${hydra:...}, unset outside a Hydra run
-        keys = ("method", "target_modules", "r", "alpha", "dropout", "trainable_modules", "options")
-        return {k: OmegaConf.to_container(peft[k], resolve=True) if isinstance(peft[k], (DictConfig, ListConfig))
-                else peft[k] for k in keys if k in peft}
-    return {"method": "lora", "target_modules": ["all-linear"], "r": 8, "alpha": 16.0} if lora else None
+    """``add_adapters``' arguments: the configured ``PEFTAdapters``', else, for a lever set that adds LoRA, those of
+    the option ``peft=lora`` selects (:data:`LORA_OPTION`)."""
+    peft = config_facts(cfg).adapters
+    if peft is None and not lora:
+        return None
+    peft = peft if peft is not None else OmegaConf.load(LORA_OPTION)
+    return {k: OmegaConf.to_container(peft[k], resolve=True) if isinstance(peft[k], (DictConfig, ListConfig))
+            else peft[k] for k in _ADAPTER_KEYS if k in peft}
 
 
 def _prepare(hf: nn.Module, adapters: dict[str, Any] | None, levers: Levers) -> nn.Module:
@@ -111,22 +112,22 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
     import hydra.utils
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lit_speed.memory.rss_estimate import count_parameters
+    from lit_speed.memory.model_state import parameter_counts
 
     config = AutoConfig.from_pretrained(folder)
     text = _text_config(config)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config)
     prepared = _prepare(hf, _adapter_args(cfg, levers.lora), levers)
-    frozen, trainable = count_parameters(prepared)
+    counts = parameter_counts(prepared)
+    frozen, trainable = counts.frozen, counts.trainable
     largest = max((p.numel() for p in prepared.parameters()), default=0)
     files = glob.glob(str(folder / "*.safetensors")) + glob.glob(str(folder / "*.bin"))
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if cfg.get("optimizer") else None
     from lit_speed.precision.modes import AUTO, BASELINE, TABLE
 
-    precision = cfg.precision.get("mode", cfg.precision.get("precision", BASELINE)) if cfg.get("precision") \
-        else BASELINE
+    precision = config_facts(cfg).precision_mode or BASELINE
     if precision == AUTO or precision not in TABLE:  # auto decides at the first batch: float32 is its largest case
         precision = BASELINE
     block = data_window(cfg.data)
@@ -157,21 +158,35 @@ def probe_lengths(config: Any, block: int) -> tuple[int, int]:
     return max(longest // 2, 1), max(longest, 2)
 
 
+#: The generous bound's counts of float32 tensors (4 bytes an element), rounded up so that the bound stays above
+#: the probe's estimate: per trainable parameter its gradient, AdamW's two moments and two more for the step's
+#: temporaries; per token and decoder layer, tensors of the hidden width (the norms' inputs and outputs, q, k, v, the
+#: attention output, the residual sums, and a gradient of each), of the MLP's inner width (gate, up, activation,
+#: product, and gradients) and per attention score (scores, probabilities, the gradient); per token, tensors of the
+#: vocabulary width (the logits, their float32 copy, the log-softmax, and gradients).
+FLOAT32_BYTES = 4
+TRAINABLE_FLOATS = 1 + 2 + 2
+HIDDEN_FLOATS, INNER_FLOATS, SCORE_FLOATS, VOCAB_FLOATS = 20, 6, 3, 6
+#: The bound's margin over the sum of its parts.
+GENEROUS_MARGIN = 1.5
+
+
 def generous_bound(facts: RunFacts, process: int) -> int:
     """An upper bound of the peak RSS from the config alone, with no probe: every parameter float32 with a
     gradient and AdamW state, activations at eager attention's widest (scores and probabilities of every head in
-    float32), the logits and their gradient several times over, all x1.5. When it fits, the probe is not run
-    (tiny models, small windows); when it does not, :func:`estimate_run` measures."""
+    float32), the logits and their gradient several times over (the counts above), all x :data:`GENEROUS_MARGIN`.
+    When it fits, the probe is not run (tiny models, small windows); when it does not, :func:`estimate_run`
+    measures."""
     text = _text_config(facts.config)
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 4096)
     inner = int(getattr(text, "intermediate_size", 0) or getattr(text, "ffn_dim", 0)
                 or getattr(text, "n_inner", 0) or 4 * hidden)
     heads = int(getattr(text, "num_attention_heads", 0) or getattr(text, "n_head", 0) or 32)
     params = facts.frozen + facts.trainable
-    state = params * 4 + facts.trainable * (4 + 8 + 8)
-    activations = facts.tokens * (facts.layers * (hidden * 80 + inner * 24 + heads * facts.block * 12)
-                                  + facts.vocab * 24)
-    return int(process + 1.5 * max(state + activations, params * 4 + facts.file_bytes))
+    state = (params + facts.trainable * TRAINABLE_FLOATS) * FLOAT32_BYTES
+    per_layer = hidden * HIDDEN_FLOATS + inner * INNER_FLOATS + heads * facts.block * SCORE_FLOATS
+    activations = facts.tokens * (facts.layers * per_layer + facts.vocab * VOCAB_FLOATS) * FLOAT32_BYTES
+    return int(process + GENEROUS_MARGIN * max(state + activations, params * FLOAT32_BYTES + facts.file_bytes))
 
 
 def optimizer_bytes_per_param(facts: RunFacts, levers: Levers, trainable: list[nn.Parameter]) -> float:
@@ -180,7 +195,7 @@ def optimizer_bytes_per_param(facts: RunFacts, levers: Levers, trainable: list[n
     if levers.low_bit_states:
         from lit_speed.optim.low_bit import low_bit_state_bytes
 
-        return low_bit_state_bytes(1 << 20, levers.low_bit_states, 256 if levers.low_bit_states == 8 else 128,
+        return low_bit_state_bytes(1 << 20, levers.low_bit_states, low_bit_block_size(levers.low_bit_states),
                                    torch.float32) / (1 << 20)
     if facts.optimizer is None:
         return 8.0  # a model's own optimizer: AdamW's two float32 moments assumed
@@ -188,13 +203,27 @@ def optimizer_bytes_per_param(facts: RunFacts, levers: Levers, trainable: list[n
     return 8.0 if declared is None else float(declared)
 
 
+def low_bit_block_size(bits: int) -> int:
+    """The block size of ``optimizer=adamw<bits>bit`` (the option a lever set with ``bits``-bit states selects): its
+    ``block_size`` in ``conf/optimizer/``, else its class's default."""
+    option = OmegaConf.load(CONFIG_DIR / "optimizer" / f"adamw{bits}bit.yaml")
+    if option.get("block_size") is not None:
+        return int(option.block_size)
+    import inspect
+
+    from lit_speed.optim.low_bit import AdamW4bit, AdamW8bit
+
+    return int(inspect.signature(AdamW8bit if bits == 8 else AdamW4bit).parameters["block_size"].default)
+
+
 def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool = True) -> tuple[Any, float, float]:
     """The scaled probe of a step with ``levers``; the optimizer step's temporaries and state, bytes per parameter.
     ``skip_matmuls``: see :func:`~lit_speed.memory.rss_estimate.probe_scaled` (``False``: compute the products)."""
     from transformers import AutoModelForCausalLM
 
+    from lit_speed.memory.model_state import parameter_counts
     from lit_speed.memory.planner import measure_optimizer
-    from lit_speed.memory.rss_estimate import count_parameters, probe_scaled
+    from lit_speed.memory.rss_estimate import probe_scaled
     from lit_speed.precision.modes import spec
 
     adapters = _adapter_args(cfg, levers.lora)
@@ -219,7 +248,7 @@ def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool 
                          tokens=probe_lengths(facts.config, facts.block), vocab=facts.vocab,
                          skip_matmuls=skip_matmuls)
     small = models[(1, facts.vocab)]
-    _frozen, small_trainable = count_parameters(small)
+    small_trainable = parameter_counts(small).trainable
     trainable_params = [p for p in small.parameters() if p.requires_grad]
     step_temp = 0.0
     if facts.optimizer is not None and not levers.low_bit_states and small_trainable:
@@ -245,9 +274,9 @@ def export_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> int:
     a Hugging Face model's folder, which these runs are) unless ``peft.export=false``."""
     from lit_speed.finetune.export import EXPORT_SHARD_BYTES
 
-    peft = cfg.get("peft")
-    owner = "PEFTAdapters" if levers.lora else "ExportModel"  # the callback that exports with these levers
-    if target_of(peft).endswith(owner) and peft.get("export", True) is False:
+    facts_of_config = config_facts(cfg)
+    owner = "adapters" if levers.lora else "model"  # the callback that exports with these levers
+    if facts_of_config.exporter == owner and cfg.peft.get("export", True) is False:
         return 0
     return int(min(4 * (facts.frozen + facts.trainable), EXPORT_SHARD_BYTES + 4 * facts.largest))
 
