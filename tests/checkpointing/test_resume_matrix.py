@@ -103,10 +103,8 @@ def _tiny_chat_llama(tmp_path: Path) -> list[str]:
 
 #: presets whose shipped folder is built on demand: what their rows add (from the test's temporary folder)
 PRESET_STAND_INS = {"finetune_1b_lora": _tiny_llama, "sft_lora": _tiny_chat_llama}
-#: PRESET keys a preset's data option does not take (data=sft has no corpus to cap)
-PRESET_DROPS = {"sft_lora": ("data.max_bytes=", "callbacks=")}
-#: what a preset's row adds after the drops (sft_lora: SFT_PRESET's callbacks)
-PRESET_ADDS = {"sft_lora": SFT_PRESET[-1:]}
+#: a preset's own shrunk overrides where PRESET does not fit it
+PRESET_SHRUNK = {"sft_lora": SFT_PRESET}
 
 
 def options(group: str) -> list[str]:
@@ -145,8 +143,7 @@ def _cases() -> list:
         cases.append(pytest.param(overrides, KILL_STEP["preset" if "experiment=" in name else "none"], None,
                                   id=f"{name}-sigkill", marks=[pytest.mark.slow]))
     for preset in options("experiment"):
-        shrunk = [a for a in PRESET if not a.startswith(PRESET_DROPS.get(preset, ("-",)))]
-        overrides = [f"experiment={preset}", *shrunk, *PRESET_ADDS.get(preset, [])] + (
+        overrides = [f"experiment={preset}", *PRESET_SHRUNK.get(preset, PRESET)] + (
             PRESET_ACCUMULATION if _preset_accumulates(preset) else [])
         cases.append(pytest.param(overrides, KILL_STEP["preset"], None, id=f"experiment={preset}-sigkill",
                                   marks=[pytest.mark.slow]))
