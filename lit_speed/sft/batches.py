@@ -6,7 +6,7 @@ in positions is known before anything runs (:meth:`Layout.positions` for a whole
 """
 from __future__ import annotations
 
-from functools import partial
+from functools import cached_property, partial
 from typing import Sequence
 
 import numpy as np
@@ -67,8 +67,10 @@ class Layout:
     def dataset(self, pad_id: int) -> ExampleBatches:
         return ExampleBatches(self.examples, pad_id, self.rows)
 
+    @cached_property
     def epoch_batches(self) -> list[np.ndarray]:
-        """The batches of one epoch in a fixed shuffle (what a shuffled epoch looks like, for counting)."""
+        """The batches of one epoch in a fixed shuffle (what a shuffled epoch looks like, for counting); built once:
+        the packing choice, the start-up table and the padding share all count from it."""
         order = np.random.default_rng(0).permutation(len(self)).tolist()
         batches = (_grouped(self.item_positions, self.batch_size, GROUP_BATCHES, order, 0) if not self.packed else
                    [order[b:b + self.batch_size] for b in range(0, len(order), self.batch_size)])
@@ -76,7 +78,7 @@ class Layout:
 
     def positions(self) -> tuple[int, int]:
         """``(positions computed, real positions)`` of one epoch: a batch computes ``items x its longest item``."""
-        computed = sum(len(b) * int(self.item_positions[b].max()) for b in self.epoch_batches())
+        computed = sum(len(b) * int(self.item_positions[b].max()) for b in self.epoch_batches)
         return computed, int(self.item_positions.sum())
 
     def padding_share(self) -> float:

@@ -29,7 +29,7 @@ def _sample_batches(packed: Layout, padded: Layout) -> tuple[list[list[int]], li
     fills = np.argsort(packed.item_positions, kind="stable")
     middle = len(fills) // 2
     rows = [list(packed.rows[int(i)]) for i in fills[middle:middle + packed.batch_size]]
-    batches = padded.epoch_batches()
+    batches = padded.epoch_batches
     widths = [int(padded.item_positions[b].max()) for b in batches]
     median = int(np.argsort(widths, kind="stable")[len(widths) // 2])
     return rows, [int(i) for i in batches[median]], widths[median]
