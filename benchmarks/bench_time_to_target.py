@@ -8,6 +8,8 @@ Same GPT (4 layers, 4 heads, 128 embd, block 64) and corpus in every variant, ea
 interleaved over seeds (the variant order rotates per seed):
 
 - ``lit_speed``: ``scripts/train.py experiment=charlm_fast`` (the preset, one command, its own horizon).
+- ``lit_speed_fp32``: the same preset forced onto the fp32 path a CPU without bf16 units takes
+  (``precision=32-true optimizer.ns_dtype=float32``): what the preset is worth there, measured on any CPU.
 - ``plain_lightning``: a plain LightningModule, AdamW lr 1e-3 constant, betas 0.9/0.99, wd 0.1, batch 12,
   fp32, ``Trainer`` defaults (checkpointing, logger, progress bar), no lit_speed component.
 - ``plain_lightning_same_recipe``: plain Lightning with charlm_fast's micro-batch, AdamW LR and LR schedule
@@ -22,7 +24,9 @@ The instrument is identical in every variant (:class:`lit_speed.reporting.FixedV
 512 evenly spaced validation windows, every ``--every-tokens`` training tokens (76,800 = 100 steps at
 batch 12), Lightning's own validation off; the clock starts at process launch (imports, data, compile,
 validation and checkpoints count). A run stops at the first validation <= target; one that does not get
-there within its budget reports its best value and "not reached".
+there within its budget reports its best value and "not reached". Every lit_speed run starts from an empty
+machine cache (its own ``LIT_SPEED_CACHE_DIR``), so the timing of its measured choices is in its clock, as on a
+user's first run; ``--warm-cache`` uses the machine's cache instead.
 """
 from __future__ import annotations
 
@@ -39,10 +43,14 @@ import _common  # noqa: F401 - puts the repository on sys.path
 from _common import ROOT, stats, write_result
 
 CACHE = str(ROOT / ".cache" / "charlm")
-VARIANTS = ("lit_speed", "plain_lightning", "plain_lightning_same_recipe", "plain_loop", "foreign_lit_speed",
-            "foreign_plain")
-DEFAULT_VARIANTS = ("lit_speed", "plain_lightning", "plain_lightning_same_recipe", "plain_loop")
+VARIANTS = ("lit_speed", "lit_speed_fp32", "plain_lightning", "plain_lightning_same_recipe", "plain_loop",
+            "foreign_lit_speed", "foreign_plain")
+DEFAULT_VARIANTS = ("lit_speed", "lit_speed_fp32", "plain_lightning", "plain_lightning_same_recipe", "plain_loop")
 PLAIN_RECIPE = {"batch_size": 12, "lr": 1e-3, "schedule": None}
+#: The overrides that put the preset on the path a CPU without bf16 units takes (``lit_speed_fp32``).
+FP32_PATH = ("precision=32-true", "optimizer.ns_dtype=float32")
+#: Child variants (a function of this file); the lit_speed ones are ``scripts/train.py`` commands.
+CHILDREN = tuple(v for v in VARIANTS if not v.startswith("lit_speed"))
 
 
 def preset_recipe() -> dict[str, Any]:
@@ -134,9 +142,9 @@ def child_plain_loop(seed: int, steps: int, target: float, every_tokens: int, ou
 
 
 def lit_speed_command(seed: int, steps: int | None, target: float, every_tokens: int, out: str,
-                      run_dir: str) -> list[str]:
-    """The preset as a user runs it, plus the shared instrument and Lightning's own validation off."""
-    cmd = [sys.executable, "scripts/train.py", "experiment=charlm_fast", f"seed={seed}", "validate=false",
+                      run_dir: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The preset as a user runs it (plus ``extra`` overrides), the shared instrument, Lightning's validation off."""
+    cmd = [sys.executable, "scripts/train.py", "experiment=charlm_fast", *extra, f"seed={seed}", "validate=false",
            "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
            "+callbacks.clock._target_=lit_speed.reporting.fixed_validation.FixedValidationClock",
            f"+callbacks.clock.target={target}", f"+callbacks.clock.every_tokens={every_tokens}",
@@ -144,16 +152,21 @@ def lit_speed_command(seed: int, steps: int | None, target: float, every_tokens:
     return cmd + ([f"trainer.max_steps={steps}"] if steps is not None else [])
 
 
-def run_variant(name: str, seed: int, steps: int | None, target: float, every_tokens: int) -> dict[str, Any]:
+def run_variant(name: str, seed: int, steps: int | None, target: float, every_tokens: int,
+                warm_cache: bool = False) -> dict[str, Any]:
     """One fresh process; returns the instrument's summary (history of val loss vs wall seconds)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "clock.json")
-        if name == "lit_speed":
-            cmd = lit_speed_command(seed, steps, target, every_tokens, out, tmp)
+        env = dict(os.environ)
+        if name.startswith("lit_speed"):
+            cmd = lit_speed_command(seed, steps, target, every_tokens, out, tmp,
+                                    FP32_PATH if name == "lit_speed_fp32" else ())
+            if not warm_cache:
+                env["LIT_SPEED_CACHE_DIR"] = str(Path(tmp) / "machine_cache")
         else:
             cmd = [sys.executable, __file__, "--child", name, "--seed", str(seed), "--target", str(target),
                    "--every-tokens", str(every_tokens), "--out", out, "--steps", str(steps or 3000)]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not Path(out).exists():
             raise RuntimeError(f"{name} (seed {seed}) failed:\n{proc.stderr[-3000:]}")
         return json.loads(Path(out).read_text())
@@ -230,7 +243,10 @@ def main() -> None:
     parser.add_argument("--every-tokens", type=int, default=76_800)
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from {', '.join(VARIANTS)}")
-    parser.add_argument("--child", choices=VARIANTS[1:], default=None)
+    parser.add_argument("--child", choices=CHILDREN, default=None)
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="lit_speed runs use the machine's cache of measured choices (default: an empty one each)")
+    parser.add_argument("--tag", default="", help="suffix of the JSON/PNG names (e.g. _xa_fp32)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -254,7 +270,7 @@ def main() -> None:
     for s in range(args.seeds):
         seed = 42 + s
         for name in names[s % len(names):] + names[:s % len(names)]:
-            out = run_variant(name, seed, args.steps, stop_at, args.every_tokens)
+            out = run_variant(name, seed, args.steps, stop_at, args.every_tokens, args.warm_cache)
             runs[name].append(out)
             hit = first_reaching(out, args.target)
             print(f"seed {seed} {name:28s} {args.target}: t={hit and hit['wall_s']} step={hit and hit['step']} "
@@ -262,9 +278,11 @@ def main() -> None:
     summary = summarize(runs, args.target)
     at_lower = {f"{t:.2f}": summarize(runs, t) for t in lower}
     ahead = {t: {name: ratio(s_, name, base) for name, base in (("lit_speed", "plain_lightning"),
+                                                                ("lit_speed_fp32", "plain_lightning"),
                                                                 ("foreign_lit_speed", "foreign_plain"))}
              for t, s_ in at_lower.items()}
     ratios = {"lit_speed/plain_lightning": ratio(summary, "lit_speed", "plain_lightning"),
+              "lit_speed_fp32/plain_lightning": ratio(summary, "lit_speed_fp32", "plain_lightning"),
               "lit_speed/plain_lightning_same_recipe": ratio(summary, "lit_speed", "plain_lightning_same_recipe"),
               "plain_lightning_same_recipe/plain_lightning": ratio(summary, "plain_lightning_same_recipe",
                                                                    "plain_lightning"),
@@ -284,13 +302,16 @@ def main() -> None:
     results = {"target_val_loss": args.target, "seeds": args.seeds, "every_tokens": args.every_tokens,
                "reference_budget_steps": 3000, "preset": preset_recipe(), "summary": summary, "ratios": ratios,
                "lower_targets": {"summary": at_lower, "ratios": ahead},
-               "runs": runs, "cpu": cpu_details(), "load_average_start_end": [load_start, os.getloadavg()]}
-    png = ROOT / "benchmarks" / "results" / "time_to_target.png"
+               "runs": runs, "cpu": cpu_details(), "load_average_start_end": [load_start, os.getloadavg()],
+               "machine_cache": "warm" if args.warm_cache else "empty per lit_speed run"}
+    png = ROOT / "benchmarks" / "results" / f"time_to_target{args.tag}.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     plot(runs, args.target, png)
-    write_result("time_to_target", results,
-                 f"charlm val/loss <= {args.target}, clock from launch, {args.seeds} seeds: charlm_fast / plain "
-                 f"Lightning = x{ratios['lit_speed/plain_lightning']}, / same recipe = "
+    write_result(f"time_to_target{args.tag}", results,
+                 f"charlm val/loss <= {args.target}, clock from launch, {args.seeds} seeds, "
+                 f"{results['machine_cache']} machine cache: charlm_fast / plain "
+                 f"Lightning = x{ratios['lit_speed/plain_lightning']}, fp32 path / plain = "
+                 f"x{ratios['lit_speed_fp32/plain_lightning']}, / same recipe = "
                  f"x{ratios['lit_speed/plain_lightning_same_recipe']}, plain loop / Lightning = "
                  f"x{ratios['plain_loop/plain_lightning']}, foreign module with lit_speed / plain = "
                  f"x{ratios['foreign_lit_speed/foreign_plain']}; at {', '.join(ahead)}: {ahead}; load avg "

@@ -22,6 +22,12 @@ from lit_speed.tuning.machine_cache import cache_dir, disk_cache_enabled, machin
 #: bf16-master was 6.6% faster; at 0.02 the worst of 25 decisions cost 1.9% (benchmarks/bench_auto_decision.py,
 #: LOG.md 2026-11-23).
 MIN_GAIN = 0.02
+#: :func:`time_interleaved` stops before its ``rounds`` once this many rounds have separated the candidates (see
+#: :func:`separated`): more rounds could not change the choice, and at a step of 50-100 ms each round is a tenth of
+#: a second of the user's run.
+SEPARATED_AFTER = 3
+#: Calls shorter than this are not stopped early: their rounds cost nothing worth saving.
+SEPARATED_MIN_CALL_S = 1e-3
 
 
 @dataclass
@@ -44,7 +50,8 @@ def time_interleaved(candidates: Mapping[str, Callable[[], Any]], rounds: int = 
     """Seconds of each call of each candidate, in round order; ``None`` for one that raised.
 
     One warm-up call each, then rounds of one call per candidate (order rotating) until ``rounds`` are done or
-    ``budget_s`` is spent, but at least two rounds.
+    ``budget_s`` is spent, but at least two rounds; or sooner, after :data:`SEPARATED_AFTER` rounds, when the
+    candidates are :func:`separated` (calls of at least :data:`SEPARATED_MIN_CALL_S`).
     """
     live: list[str] = []
     for name, fn in candidates.items():
@@ -58,11 +65,22 @@ def time_interleaved(candidates: Mapping[str, Callable[[], Any]], rounds: int = 
     for r in range(max(rounds, 2)):
         if r >= 2 and time.perf_counter() > deadline:
             break
+        if r >= SEPARATED_AFTER and separated(samples) and min(map(min, samples.values())) >= SEPARATED_MIN_CALL_S:
+            break
         for name in (live[r % len(live):] + live[:r % len(live)]) if live else []:
             start = time.perf_counter()
             candidates[name]()
             samples[name].append(time.perf_counter() - start)
     return {name: samples.get(name) for name in candidates}
+
+
+def separated(samples: Mapping[str, list[float]], min_gain: float = MIN_GAIN) -> bool:
+    """Whether one candidate's slowest call beat every other candidate's fastest by ``min_gain``: no round would
+    rank them otherwise, so further rounds cannot change :func:`choose_fastest`'s choice."""
+    if len(samples) < 2:
+        return True
+    best = min(samples, key=lambda n: statistics.median(samples[n]))
+    return all(max(samples[best]) <= (1.0 - min_gain) * min(v) for n, v in samples.items() if n != best)
 
 
 def choose_fastest(times: Mapping[str, float | None], default: str, min_gain: float = MIN_GAIN,

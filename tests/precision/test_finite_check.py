@@ -92,3 +92,29 @@ def test_on_cuda_every_position_of_every_tensor_is_seen(dtype):
                 assert not bool(all_finite(grads)), (t.numel(), i, value)
                 t[i] = 0
     assert bool(all_finite([*grads, torch.ones(3)]))  # a CPU tensor beside them: its own group, one answer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_on_the_cpu_finite_values_whose_squares_overflow_are_still_finite(dtype):
+    """The CPU's fast path (L2 norms) overflows on huge finite values: their maxima are read again, not reported."""
+    big = torch.full((1000,), torch.finfo(dtype).max, dtype=dtype)
+    assert not bool(torch.isfinite(torch._foreach_norm([big], 2)[0]))  # the L2 norm alone would call it non-finite
+    assert bool(all_finite([big, torch.ones(3, dtype=dtype)]))
+    big[17] = float("nan")
+    assert not bool(all_finite([big]))
+
+
+def test_on_the_cpu_a_finite_group_is_read_once_by_its_l2_norms(monkeypatch):
+    grads = [torch.randn(64) for _ in range(30)]
+    calls: list[float] = []
+    real = torch._foreach_norm
+
+    def recording(tensors, ord=2, *args, **kwargs):
+        calls.append(float(ord))
+        return real(tensors, ord, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", recording)
+    assert bool(all_finite(grads)) and calls == [2.0]
+    grads[7][3] = float("inf")
+    calls.clear()
+    assert not bool(all_finite(grads)) and calls == [2.0, float("inf")]  # not finite: the maxima decide

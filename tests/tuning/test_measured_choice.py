@@ -1,6 +1,7 @@
 """Measured choices: the decision rule, the interleaved timer and the per-machine cache (no timing asserted)."""
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -87,3 +88,23 @@ def test_an_unwritable_cache_folder_is_said_once_per_process(monkeypatch, tmp_pa
     assert len(said) == 1 and said[0].startswith(f"the timing cache {blocked} cannot be written (peft.base_compute: ")
     assert "the run goes on" in said[0] and said[0].endswith("Fix: set LIT_SPEED_CACHE_DIR to a writable folder, or "
                                                            "LIT_SPEED_AUTO_CACHE=0.")
+
+
+def test_interleaved_timing_stops_once_the_rounds_have_separated_the_candidates(monkeypatch):
+    """A clear case (e.g. 1 thread at 77 ms a step against 2 at 49) needs no tenth round: after three rounds in which
+    every call of one candidate beat every call of the other, more rounds could not change the choice."""
+    mc = importlib.import_module("lit_speed.tuning.measured_choice")  # the module (the package exports the function)
+    clock = [0.0]
+    cost = {"fast": 0.049, "slow": 0.077, "close": 0.0495}
+    monkeypatch.setattr(mc.time, "perf_counter", lambda: clock[0])
+
+    def candidate(name):
+        def run():
+            clock[0] += cost[name]
+        return run
+
+    clear = time_interleaved({n: candidate(n) for n in ("fast", "slow")}, rounds=10, budget_s=60)
+    assert len(clear["fast"]) == len(clear["slow"]) == mc.SEPARATED_AFTER
+    close = time_interleaved({n: candidate(n) for n in ("fast", "close")}, rounds=10, budget_s=60)
+    assert len(close["fast"]) == len(close["close"]) == 10  # 1% apart: inside the margin, every round is run
+    assert mc.separated({"a": [1.0, 1.1], "b": [1.2, 1.3]}) and not mc.separated({"a": [1.0, 1.25], "b": [1.2, 1.3]})
