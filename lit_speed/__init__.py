@@ -34,7 +34,7 @@ _EXPORTS = {
     "KeepFreedMemory": "lit_speed.memory.allocator",
     "keep_freed_memory": "lit_speed.memory.allocator",
     "CompileModel": "lit_speed.memory.compile_model",
-    "ChunkedLMLoss": "lit_speed.memory.chunked_lm_loss",
+    "ChunkedLMLoss": "lit_speed.memory.chunked_lm_loss_callback",
     "chunked_lm_loss": "lit_speed.memory.chunked_cross_entropy",
     "chunked_loss_bytes": "lit_speed.memory.chunked_cross_entropy",
     "chunk_hf_loss": "lit_speed.memory.hf_chunked_loss",
