@@ -1,5 +1,5 @@
 """The LM head and cross-entropy in chunks for any LightningModule: the callback around
-:func:`~lit_speed.memory.chunked_cross_entropy.chunked_lm_loss`."""
+:func:`~lit_speed.memory.chunked_lm_loss.chunked_lm_loss`."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lit_speed.interfaces import ChunkedLossModel
-from lit_speed.memory.chunked_cross_entropy import (
+from lit_speed.memory.chunked_lm_loss import (
     DEFAULT_CHUNK_MIB,
     bytes_per_logit,
     chunk_tokens_for,
@@ -115,14 +115,14 @@ class ChunkedLMLoss(Callback):
     At ``setup``: a module that implements :class:`~lit_speed.interfaces.ChunkedLossModel` (``GPTModule``,
     ``HFCausalLM``) switches its own loss; any other module gets every Hugging Face causal LM inside it wrapped, so
     that ``hf_model(input_ids, labels=...)`` returns the chunked loss (and ``logits=None``). Undone at ``teardown``.
-    Loss and gradients equal the plain ones to float tolerance (``tests/memory/test_chunked_loss.py``).
+    Loss and gradients equal the plain ones to float tolerance (``tests/memory/test_chunked_lm_loss.py``).
 
     Args:
         chunk_mib: Budget of one chunk's logits buffers in MiB; the chunk's token count follows from the vocabulary.
             ``"auto"`` (the default): at fit start, time chunks of the default budget's tokens and of 2x and 4x as
             many (up to :data:`AUTO_MAX_MIB`) on this machine and device (:func:`choose_chunk_tokens`) and keep the
             fastest; a resumed run keeps its checkpoint's chunk. Until fit starts (and in validate/test alone) the
-            default budget, :data:`~lit_speed.memory.chunked_cross_entropy.DEFAULT_CHUNK_MIB` MiB.
+            default budget, :data:`~lit_speed.memory.chunked_lm_loss.DEFAULT_CHUNK_MIB` MiB.
         check: Check on a few tokens that each Hugging Face model's logits are its head applied to its decoder's
             output (with the logit scaling or soft-capping its config declares) before wrapping it.
 

@@ -344,7 +344,7 @@ def _chunk_extra(cfg: DictConfig, facts: RunFacts, levers: Levers, tokens: int) 
     """Bytes the run's loss chunks hold beyond the probe's (the probe chunks at the default budget): a larger
     configured budget, or ``chunk_mib=auto``'s largest candidate (:func:`~lit_speed.memory.
     chunked_lm_loss_callback.auto_chunk_candidates`)."""
-    from lit_speed.memory.chunked_cross_entropy import DEFAULT_CHUNK_MIB, bytes_per_logit, chunked_loss_bytes
+    from lit_speed.memory.chunked_lm_loss import DEFAULT_CHUNK_MIB, bytes_per_logit, chunked_loss_bytes
     from lit_speed.memory.chunked_lm_loss_callback import auto_chunk_candidates
     from lit_speed.precision.modes import spec
 

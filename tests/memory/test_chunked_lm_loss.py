@@ -324,7 +324,7 @@ def test_hf_causal_lm_chunked_loss_equals_its_plain_loss_also_with_adapters(tmp_
 
 
 def test_chunks_are_balanced_never_longer_than_the_budget_and_as_few():
-    from lit_speed.memory.chunked_cross_entropy import balanced_chunk
+    from lit_speed.memory.chunked_lm_loss import balanced_chunk
 
     for tokens in range(1, 60):
         for most in range(1, 25):
