@@ -56,6 +56,7 @@ def main() -> None:
     import torch
 
     from lit_speed.precision import modes, step_timing
+    from lit_speed.tuning import machine_cache
 
     load_before = os.getloadavg()
     model, batch = model_and_batch(args.experiment)
@@ -64,13 +65,13 @@ def main() -> None:
     def reference() -> dict[str, float]:
         samples = step_timing._sample_interleaved(step_timing._detached_copy(model), batch, candidates,
                                                   args.reference_rounds, float("inf"), step_timing._loss_of)
-        return {m: float(t) for m, t in step_timing._medians(samples).items() if t is not None}
+        return {m: float(statistics.median(v)) for m, v in samples.items() if v}
 
     before = reference()
     print("reference before: " + ", ".join(f"{m} {1000 * t:.2f} ms" for m, t in before.items()), flush=True)
     trials = []
     for i in range(args.trials):
-        step_timing._CACHE.clear()
+        machine_cache._IN_PROCESS.clear()  # timings kept in this process: each trial decides afresh
         start = time.perf_counter()
         times = step_timing.time_modes(model, batch, candidates, use_disk_cache=False)
         chosen, _ = step_timing.choose_by_timing(times)

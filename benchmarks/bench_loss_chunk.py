@@ -54,8 +54,8 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lit_speed.finetune.adapter_grad import choose_up_grad, set_up_grad
-    from lit_speed.memory.chunked_cross_entropy import bytes_per_logit
-    from lit_speed.memory.chunked_lm_loss import choose_chunk_tokens
+    from lit_speed.memory.chunked_lm_loss import bytes_per_logit
+    from lit_speed.memory.chunked_lm_loss_callback import choose_chunk_tokens
     from lit_speed.memory.hf_chunked_loss import chunk_hf_loss, set_chunk_bytes
 
     print("machine:", machine().get("cpu"), machine().get("cpu_flags", ""), flush=True)

@@ -3,8 +3,8 @@
 CPython runs a ``signal.signal`` handler in the main thread, between bytecodes: while the main thread is inside one
 long C call (the backward pass of a large model: a minute on a CPU), the handler waits for it, and so did
 :data:`~lit_speed.checkpointing.stop_signals.INBOX`'s record of the signal and with it the deadline of
-``FaultTolerance(signal_deadline_s)`` (on a 0.5B model a SIGTERM 33 s into a 60 s step was seen when the step ended,
-and the run exited 20 s after a 10 s deadline). The interpreter's C-level handler runs at once, in whichever thread
+``FaultTolerance(signal_deadline_s)``: a signal that came early in a long step was recorded when the step ended,
+past a deadline shorter than the step. The interpreter's C-level handler runs at once, in whichever thread
 the kernel picks, and writes the signal's number to the wake-up file descriptor (``signal.set_wakeup_fd``): a daemon
 thread reading that pipe records the signal and the time it came, and the deadline's watchdog thread acts on it while
 the main thread is still in C. The Python handler still runs later; :class:`SignalInbox` keeps the first record.

@@ -2,8 +2,8 @@
 
 Lightning 2.6.6's SIGTERM handler runs a ``dist.broadcast`` inside the signal handler and forwards the signal to
 the launcher's children (:mod:`lit_speed.compat.lightning_loops`). A collective started from a handler pairs with
-whatever collective the other process runs next, and both wait forever (a SIGTERM to the main process of a
-2-process DDP run hung 2 times in 2). Here the handler only writes down the signal and the time
+whatever collective the other process runs next, and both wait forever. Here the handler only writes down the
+signal and the time
 (:data:`INBOX`); at the end of every training batch (a point all processes reach in the same order) one
 all-reduce tells every process whether any of them was signalled, and all stop after that same batch.
 

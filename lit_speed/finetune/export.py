@@ -118,8 +118,8 @@ def _merged_lora_linear(layer: nn.Module, scales: dict[int, torch.Tensor]) -> di
     adapter, no DoRA or other variant, no LoRA bias); None for any other layer.
 
     The same float32 operations as ``peft``'s ``merge(safe_merge=True)`` on a float32 copy of the layer (weight + (B @
-    A) * scaling, transposed for ``fan_in_fan_out``), bitwise, without copying the layer first: merging a 0.5B
-    model's 168 layers took 0.79 s with the copies and 0.60 s without (Z5, 2026-11-28, interleaved runs).
+    A) * scaling, transposed for ``fan_in_fan_out``), bitwise, without copying the layer first (the copies took a
+    quarter of the merge's time: ``lit_speed/finetune/README.md``).
     """
     from lit_speed.compat.peft import plain_lora_linear, transpose_for
 

@@ -1,11 +1,11 @@
 """Memory toolkit: activation checkpointing/offload, in-place torch.compile, the chunked LM loss, live-tensor
 accounting, fit planner.
 
-The chunked loss's function is ``lit_speed.chunked_lm_loss`` (``lit_speed.memory.chunked_cross_entropy``): the name
-``lit_speed.memory.chunked_lm_loss`` is the module of its callback, ``ChunkedLMLoss``."""
+The chunked loss: the function ``chunked_lm_loss`` in ``chunked_lm_loss.py`` (also ``lit_speed.chunked_lm_loss``),
+its callback ``ChunkedLMLoss`` in ``chunked_lm_loss_callback.py``."""
 from lit_speed.memory.activation_checkpointing import ActivationCheckpointing, checkpoint_modules, restore_modules
-from lit_speed.memory.chunked_cross_entropy import chunked_loss_bytes
-from lit_speed.memory.chunked_lm_loss import ChunkedLMLoss
+from lit_speed.memory.chunked_lm_loss import chunked_loss_bytes
+from lit_speed.memory.chunked_lm_loss_callback import ChunkedLMLoss
 from lit_speed.memory.compile_model import CompileModel, compile_modules, uncompile_modules
 from lit_speed.memory.hf_chunked_loss import chunk_hf_loss, hf_lm_head, unchunk_hf_loss
 from lit_speed.memory.memory_tracker import LiveTensorTracker

@@ -5,7 +5,7 @@ torch's CPU tensors come from ``malloc``. glibc serves a request above its mmap 
 returns it to the system on ``free``; below it, from heaps that keep freed memory for reuse. The threshold starts at
 128 KiB and **rises to the size of each large block freed** (up to 32 MiB), so after the first steps a training loop's
 activations and gradients live in heaps, and what they free stays in the process: on the 1B-dims LoRA step (2 x 512
-tokens, bf16 base, chunked loss, checkpointing; Zen3, 2026-11-26) the RSS peaked at 6.23 GiB for 1.61 GiB of step
+tokens, bf16 base, chunked loss, checkpointing; Zen3) the RSS peaked at 6.23 GiB for 1.61 GiB of step
 tensors over a 2.82 GiB model, and at 4.46 GiB with the threshold pinned at 256 KiB (same loss). Pinning it
 (``mallopt(M_MMAP_THRESHOLD)``, the same as ``MALLOC_MMAP_THRESHOLD_=262144`` in the environment) stops the rise.
 The price is a fresh mapping, zero-filled by the kernel, for every large tensor: more page faults and system time,
@@ -13,7 +13,7 @@ measured in ``benchmarks/bench_real_size.py`` (speed suite); use it when memory 
 
 The other way, :class:`KeepFreedMemory`: blocks above 32 MiB (a 0.5B model's MLP activations, logits, the
 embedding's gradient) are always mapped and unmapped, and the kernel zero-fills every page of a fresh mapping.
-On the 0.5B-dims LoRA step (4 x 512 tokens, float32, 4 of its 24 layers; Zen3, 2026-11-26) that was 1.6-1.8 million
+On the 0.5B-dims LoRA step (4 x 512 tokens, float32, 4 of its 24 layers; Zen3) that was 1.6-1.8 million
 page faults and 9-10 s of system time per 25 s step. ``mallopt(M_MMAP_MAX, 0)`` serves every block from the heap and
 ``M_TRIM_THRESHOLD`` at its maximum keeps freed heap memory: after two warm-up steps 0 faults, 0.0 s system time,
 18.9 s per step (x0.76), at a higher peak RSS (9.6 GiB against 6.1 GiB there; the whole 0.5B LoRA run: 14.8 GiB

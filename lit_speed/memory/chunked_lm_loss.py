@@ -1,253 +1,291 @@
-"""The LM head and cross-entropy in chunks for any LightningModule: the callback around
-:func:`~lit_speed.memory.chunked_cross_entropy.chunked_lm_loss`."""
+"""The LM head and cross-entropy in chunks of tokens: the logits of a large vocabulary never exist whole.
+
+For 4 x 512 tokens and a 151,936-token vocabulary the float32 logits alone are 1.24 GB, and the plain
+``F.cross_entropy(lm_head(h))`` keeps about three such tensors alive (logits, log-softmax, their gradient).
+:func:`chunked_lm_loss` takes the hidden states and the head's weight instead and, token chunk by token chunk,
+computes the logits, a stable log-sum-exp (max subtracted, in place), the loss, and, in the same pass, the gradient
+of the loss with respect to the hidden states (and to the head's weight and bias when they train): the chunk's
+logits buffer becomes its gradient in place and is freed before the next chunk. Backward only multiplies the stored
+gradients by the incoming scalar (a Liger-style fused linear cross-entropy, in plain torch).
+
+Why gradients in forward rather than recomputed in backward: it runs the head's three matmuls once (logits, grad
+of hidden, grad of weight) instead of four, for the same peak (the stored ``grad_hidden`` is tokens x hidden, e.g.
+7 MB for 2048 x 896; a trainable head's gradient has to exist anyway). ``grads_in_forward=False`` recomputes instead
+(it wastes nothing when the loss is never backpropagated); measured in the memory card.
+
+The math of Hugging Face's ``ForCausalLMLoss``: logits in float32 for the loss (under autocast the matmuls run in
+the autocast dtype, as ``lm_head`` would), ``ignore_index`` tokens skipped, the mean over the tokens that count, or
+the sum divided by ``num_items_in_batch``; optional logit scaling (Cohere's ``logit_scale``, Granite's
+``1 / logits_scaling``) and soft-capping (Gemma 2's ``final_logit_softcapping``).
+"""
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable
+from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
-from typing_extensions import override
+from torch.autograd.function import once_differentiable
 
-from lit_speed.interfaces import ChunkedLossModel
-from lit_speed.memory.chunked_cross_entropy import (
-    DEFAULT_CHUNK_MIB,
-    bytes_per_logit,
-    chunk_tokens_for,
-    chunked_lm_loss,
-    compute_dtype,
-)
-from lit_speed.memory.hf_chunked_loss import (
-    chunk_hf_loss,
-    hf_lm_head,
-    is_hf_causal_lm,
-    set_chunk_bytes,
-    unchunk_hf_loss,
-)
-from lit_speed.tuning.measured_choice import Decision, measured_choice, on_rank_zero
-
-#: ``chunk_mib="auto"``: the largest chunk it tries, in MiB of logits (what the fit check counts for the loss).
-AUTO_MAX_MIB = 1024
-#: ``chunk_mib="auto"`` times the chunks on this many rows of the head (all of a smaller vocabulary).
-AUTO_SLICE_ROWS = 8192
-#: ``chunk_mib="auto"`` does not time when the default chunk already holds this many tokens (a small vocabulary).
-AUTO_ENOUGH_TOKENS = 4096
+#: Default budget for one chunk's logits buffers.
+DEFAULT_CHUNK_MIB = 128
+#: A 16-bit weight is cast to the compute dtype (or a float32 one to bf16 under autocast) in vocabulary slices of at
+#: most this many bytes, never whole (a 151,936 x 896 head is 545 MB in float32).
+SLICE_BYTES = 32 * 2**20
+REDUCTIONS = ("mean", "sum")
 
 
-def auto_chunk_candidates(vocab_size: int, compute: torch.dtype = torch.float32, softcap: bool = False) -> list[int]:
-    """Tokens per chunk that ``chunk_mib="auto"`` times: the default budget's (:data:`DEFAULT_CHUNK_MIB`), then
-    twice and four times as many while the logits stay within :data:`AUTO_MAX_MIB`; one candidate when the default
-    chunk already holds :data:`AUTO_ENOUGH_TOKENS` tokens."""
-    base = chunk_tokens_for(vocab_size, DEFAULT_CHUNK_MIB * 2**20, compute, softcap)
-    if base >= AUTO_ENOUGH_TOKENS:
-        return [base]
-    cap = chunk_tokens_for(vocab_size, AUTO_MAX_MIB * 2**20, compute, softcap)
-    return [base] + [base * k for k in (2, 4) if base * k <= cap]
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmuls run in: autocast's where it is on for ``hidden``'s device, else ``hidden``'s."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
 
 
-def head_compute_dtype(context: Callable[[], contextlib.AbstractContextManager], hidden_dtype: torch.dtype,
-                       device: torch.device) -> torch.dtype:
-    """The dtype the head's matmuls run in for hidden states of ``hidden_dtype`` inside the run's forward context."""
-    with context():
-        return compute_dtype(torch.empty(0, dtype=hidden_dtype, device=device))
+def bytes_per_logit(compute: torch.dtype = torch.float32, softcap: bool = False) -> int:
+    """Transient bytes per logit of a chunk: the float32 buffer, the 16-bit matmul output or gradient copy when the
+    matmuls run in 16 bits, and the soft-cap's derivative."""
+    return 4 + (compute.itemsize if compute != torch.float32 else 0) + (4 if softcap else 0)
 
 
-def choose_chunk_tokens(weight: torch.Tensor, options: dict[str, Any] | None = None,
-                        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                        hidden_dtype: torch.dtype | None = None) -> Decision:
-    """Time the chunked loss's forward and backward at each of :func:`auto_chunk_candidates` on this machine and
-    device, on the head's first :data:`AUTO_SLICE_ROWS` rows (a copy) and the same tokens for every candidate; keep
-    the default's chunk unless a larger one is faster by the tuning margin (``lit_speed.tuning``, cached per machine).
+def chunk_tokens_for(vocab_size: int, chunk_bytes: int, compute: torch.dtype = torch.float32,
+                     softcap: bool = False) -> int:
+    """Tokens per chunk so that a chunk's logits buffers stay within ``chunk_bytes`` (at least one token)."""
+    return max(1, int(chunk_bytes) // (int(vocab_size) * bytes_per_logit(compute, softcap)))
 
-    Why measured: a chunk's matmuls against a wide head run faster with more rows, by how much depends on the
-    processor (151,936 x 896 head, Zen3: 220 rows ran the head's matmuls at 84 GFLOP/s, 883 rows at 111), and a
-    larger chunk costs memory (:data:`AUTO_MAX_MIB` at most).
 
-    Args:
-        weight: The head's ``[vocab, hidden]`` weight, on the run's device; it is not changed.
-        options: The model's logit transform (``logit_scale``, ``softcap``: ``LMHead.loss_options()``).
-        context: The run's forward context (its autocast), so the matmuls run in the run's compute dtype.
-        hidden_dtype: The dtype of the hidden states the head receives (default: the weight's, if floating).
+def balanced_chunk(tokens: int, most: int) -> int:
+    """Tokens per chunk when ``tokens`` are split into as few chunks of at most ``most`` as possible, of equal
+    length: no short last chunk (a 64-row matmul against a 151,936 x 896 head ran at 42 GFLOP/s where 220 rows ran
+    at 62-97 on a Zen3), never more than ``most``."""
+    if tokens <= 0:
+        return max(1, int(most))
+    chunks = -(-int(tokens) // max(1, int(most)))
+    return -(-int(tokens) // chunks)
+
+
+def chunked_loss_bytes(tokens: int, vocab_size: int, hidden_size: int, chunk_bytes: int = DEFAULT_CHUNK_MIB * 2**20,
+                       compute: torch.dtype = torch.float32, softcap: bool = False,
+                       weight_trains: bool = False, weight_dtype: torch.dtype = torch.float32) -> int:
+    """The most bytes :func:`chunked_lm_loss` allocates at once beyond its inputs (for a memory planner).
+
+    One chunk's logits buffers, the float32 ``grad_hidden`` kept for backward, a cast slice of the weight when its
+    dtype is not the compute dtype, and (``weight_trains``) the float32 gradient of the head's weight.
+    Compare with the unchunked loss: about ``3 * tokens * vocab_size * 4`` bytes.
     """
-    options = dict(options or {})
-    vocab, hidden = weight.shape
-    rows = min(vocab, AUTO_SLICE_ROWS)
-    with torch.no_grad():
-        dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        head = weight[:rows].detach().to(dtype).clone().requires_grad_(weight.requires_grad)
-    hidden_dtype = hidden_dtype or dtype
-    compute = head_compute_dtype(context, hidden_dtype, weight.device)
-    softcap = options.get("softcap") is not None
-    candidates = auto_chunk_candidates(vocab, compute, softcap)
-    key = {"vocab": vocab, "hidden": hidden, "weight_dtype": str(weight.dtype), "compute": str(compute),
-           "hidden_dtype": str(hidden_dtype),
-           "trains_head": weight.requires_grad, "softcap": softcap, "device": weight.device.type,
-           **({"gpu": torch.cuda.get_device_name(weight.device)} if weight.device.type == "cuda" else {})}
-    if len(candidates) == 1:
-        return Decision("loss.chunk_tokens", str(candidates[0]),
-                        f"the default chunk holds {candidates[0]} tokens (>= {AUTO_ENOUGH_TOKENS}): not timed",
-                        {str(candidates[0]): None})
-    tokens = candidates[-1]
-    generator = torch.Generator().manual_seed(0)
-    states = torch.randn(tokens, hidden, generator=generator).to(weight.device, hidden_dtype).requires_grad_()
-    targets = torch.randint(0, rows, (tokens,), generator=generator).to(weight.device)
-
-    def run(chunk: int) -> Callable[[], None]:
-        def step() -> None:
-            with context():
-                loss = chunked_lm_loss(states, head, targets, chunk_bytes=chunk * rows * bytes_per_logit(
-                    compute, softcap), **options)
-            loss.backward()
-            states.grad = head.grad = None
-            if weight.device.type == "cuda":
-                torch.cuda.synchronize(weight.device)
-        return step
-
-    return measured_choice("loss.chunk_tokens", key, {str(c): run(c) for c in candidates}, str(candidates[0]))
+    per_chunk = min(tokens, chunk_tokens_for(vocab_size, chunk_bytes, compute, softcap))
+    logits = per_chunk * vocab_size * bytes_per_logit(compute, softcap)
+    grad_hidden = 2 * tokens * hidden_size * 4  # the kept gradient and the chunk rows gathered
+    cast = min(SLICE_BYTES, vocab_size * hidden_size * compute.itemsize) if weight_dtype != compute else 0
+    return logits + grad_hidden + cast + (vocab_size * hidden_size * 4 if weight_trains else 0)
 
 
-class ChunkedLMLoss(Callback):
-    """Compute the language-model loss in chunks of tokens, so that the logits of a large vocabulary (1.24 GB for
-    4 x 512 tokens x 151,936 in float32) and their gradient never exist whole.
+def _vocab_slices(vocab: int, hidden: int, itemsize: int, cast: bool) -> list[tuple[int, int]]:
+    if not cast:
+        return [(0, vocab)]
+    rows = max(1, SLICE_BYTES // max(1, hidden * itemsize))
+    return [(v, min(vocab, v + rows)) for v in range(0, vocab, rows)]
 
-    At ``setup``: a module that implements :class:`~lit_speed.interfaces.ChunkedLossModel` (``GPTModule``,
-    ``HFCausalLM``) switches its own loss; any other module gets every Hugging Face causal LM inside it wrapped, so
-    that ``hf_model(input_ids, labels=...)`` returns the chunked loss (and ``logits=None``). Undone at ``teardown``.
-    Loss and gradients equal the plain ones to float tolerance (``tests/memory/test_chunked_loss.py``).
+
+def _rows(weight: torch.Tensor, v0: int, v1: int, cdt: torch.dtype, weight_scale: torch.Tensor | None
+          ) -> torch.Tensor:
+    """Rows ``v0:v1`` of the head's weight in ``cdt``: a cast, or an int8-held weight dequantized."""
+    rows = weight[v0:v1].to(cdt)
+    return rows if weight_scale is None else rows * weight_scale[v0:v1].to(cdt)
+
+
+def _head(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt: torch.dtype,
+          slices: list[tuple[int, int]], weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 logits ``h @ weight.T + bias`` with the matmul in ``cdt``, casting ``weight`` slice by slice."""
+    hc = h.to(cdt)
+    if len(slices) == 1 and weight.dtype == cdt:
+        out = hc @ weight.t()
+        out = out.float() if out.dtype != torch.float32 else out
+    else:  # vocabulary-major: each cast slice of the weight fills a contiguous block of rows, written in place
+        out_t = torch.empty(weight.shape[0], h.shape[0], dtype=cdt, device=h.device)
+        for v0, v1 in slices:
+            torch.mm(_rows(weight, v0, v1, cdt, weight_scale), hc.t(), out=out_t[v0:v1])
+        out = out_t.t() if cdt == torch.float32 else out_t.t().float()
+    if bias is not None:
+        out += bias.float()
+    return out
+
+
+def _chunk(h: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt: torch.dtype,
+           slices: list[tuple[int, int]], scale: float, softcap: float | None, grad_scale: float | None,
+           grad_weight: torch.Tensor | None, want: tuple[bool, bool, bool], weight_scale: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One chunk: the summed loss; with ``grad_scale``, the gradients ``want`` asks for: ``grad_h`` and the bias's
+    (float32) returned, the weight's added into ``grad_weight`` (float32) in place."""
+    logits = _head(h, weight, bias, cdt, slices, weight_scale)
+    if scale != 1.0:
+        logits.mul_(scale)
+    deriv = None
+    if softcap is not None:  # y = cap * tanh(z / cap); dy/dz = 1 - tanh^2
+        logits.div_(softcap).tanh_()
+        deriv = 1.0 - logits.square() if grad_scale is not None else None
+        logits.mul_(softcap)
+    rows = torch.arange(len(tgt), device=h.device)
+    target_logit = logits[rows, tgt]
+    top = logits.amax(dim=1, keepdim=True)
+    total = logits.sub_(top).exp_().sum(dim=1, keepdim=True)  # in place: logits now hold exp(logit - max)
+    loss = (total.log() + top).squeeze(1).sub_(target_logit).sum()
+    if grad_scale is None:
+        return loss, None, None
+    grad = logits.div_(total)  # softmax, in place
+    grad[rows, tgt] -= 1.0
+    if deriv is not None:
+        grad.mul_(deriv)
+        del deriv
+    grad.mul_(grad_scale * scale)  # d loss / d (h @ W.T + b)
+    grad_bias = grad.sum(dim=0) if want[2] else None
+    gc = grad.to(cdt)
+    grad_h = None
+    if want[0] and len(slices) == 1 and weight.dtype == cdt:
+        grad_h = (gc @ weight).float()
+    elif want[0]:
+        grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        for v0, v1 in slices:
+            grad_h += gc[:, v0:v1] @ _rows(weight, v0, v1, cdt, weight_scale)
+    if grad_weight is not None:
+        hc = h.to(cdt)
+        if cdt == torch.float32:
+            grad_weight.addmm_(gc.t(), hc)  # in place: no vocab x hidden temporary
+        else:
+            for v0, v1 in _vocab_slices(weight.shape[0], weight.shape[1], cdt.itemsize, True):
+                grad_weight[v0:v1] += gc[:, v0:v1].t() @ hc
+    return loss, grad_h, grad_bias
+
+
+def _run(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+         opts: dict[str, Any], grads: tuple[bool, bool, bool]) -> tuple[torch.Tensor, ...]:
+    """The loss, and the gradients asked for by ``grads`` (hidden, weight, bias) for an incoming gradient of 1."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).to(h.device)
+    chosen = (t != opts["ignore_index"]).nonzero().squeeze(1)
+    count = int(chosen.numel())
+    cdt = opts["compute"]
+    if opts["num_items_in_batch"] is not None:
+        divisor = float(opts["num_items_in_batch"])
+    else:
+        divisor = float(count) if opts["reduction"] == "mean" else 1.0
+    grad_scale = (1.0 / divisor if divisor else 0.0) if any(grads) else None
+    slices = _vocab_slices(weight.shape[0], weight.shape[1], cdt.itemsize, weight.dtype != cdt)
+    step = balanced_chunk(count, chunk_tokens_for(weight.shape[0], opts["chunk_bytes"], cdt, opts["softcap"] is not None))
+    grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if grads[0] else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if grads[1] else None
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if grads[2] else None
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, count, step):
+        rows = chosen[start:start + step]
+        part, gh, gb = _chunk(h[rows], t[rows], weight, bias, cdt, slices, opts["scale"], opts["softcap"],
+                              grad_scale, grad_w, grads, opts.get("weight_scale"))
+        loss += part
+        if grad_h is not None and gh is not None:
+            grad_h.index_add_(0, rows, gh)
+        if grad_b is not None and gb is not None:
+            grad_b += gb
+    loss = loss / divisor  # a mean over no token is 0 / 0 = NaN, as F.cross_entropy's
+    return (loss, None if grad_h is None else grad_h.reshape(hidden.shape).to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype))
+
+
+class _StoredGradients(torch.autograd.Function):
+    """Gradients computed in forward for an incoming gradient of 1; backward scales them."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                opts: dict[str, Any]) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss, *ctx.grads = _run(hidden, weight, bias, targets, opts, tuple(ctx.needs_input_grad[:3]))
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads, ctx.grads = ctx.grads, None  # handed over: nothing kept after backward
+        scale = grad_loss.reshape(())
+        # in place: the tensors are ours, and a trainable head's gradient is vocabulary x hidden
+        return (*(None if g is None else g.mul_(scale.to(g.dtype)) for g in grads), None, None)
+
+
+class _RecomputedGradients(torch.autograd.Function):
+    """Forward computes the loss only; backward recomputes the chunks' logits for the gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                opts: dict[str, Any]) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss = _run(hidden, weight, bias, targets, opts, (False, False, False))[0]
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.opts = opts
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets = ctx.saved_tensors
+        with torch.autocast(hidden.device.type, enabled=False):
+            grads = _run(hidden, weight, bias, targets, ctx.opts, tuple(ctx.needs_input_grad[:3]))[1:]
+        scale = grad_loss.reshape(())
+        return (*(None if g is None else g * scale.to(g.dtype) for g in grads), None, None)
+
+
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    bias: torch.Tensor | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_MIB * 2**20,
+                    ignore_index: int = -100, reduction: str = "mean",
+                    num_items_in_batch: int | float | torch.Tensor | None = None, logit_scale: float = 1.0,
+                    softcap: float | None = None, grads_in_forward: bool = True,
+                    weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T + bias`` against ``targets``, without the whole logits tensor.
+
+    Equal to ``F.cross_entropy((hidden @ weight.T + bias).float().flatten(0, -2), targets.flatten(),
+    ignore_index=ignore_index, reduction=reduction)`` (and its gradients) to float tolerance.
 
     Args:
-        chunk_mib: Budget of one chunk's logits buffers in MiB; the chunk's token count follows from the vocabulary.
-            ``"auto"`` (the default): at fit start, time chunks of the default budget's tokens and of 2x and 4x as
-            many (up to :data:`AUTO_MAX_MIB`) on this machine and device (:func:`choose_chunk_tokens`) and keep the
-            fastest; a resumed run keeps its checkpoint's chunk. Until fit starts (and in validate/test alone) the
-            default budget, :data:`~lit_speed.memory.chunked_cross_entropy.DEFAULT_CHUNK_MIB` MiB.
-        check: Check on a few tokens that each Hugging Face model's logits are its head applied to its decoder's
-            output (with the logit scaling or soft-capping its config declares) before wrapping it.
+        hidden: ``[..., hidden_size]`` final hidden states (after the last norm), any float dtype.
+        weight: ``[vocab_size, hidden_size]`` head weight (tied to the embedding or not); float32, or 16-bit (a
+            frozen low-precision base): cast to the compute dtype a slice at a time.
+        targets: ``[...]`` target token ids, already aligned with ``hidden`` (shifted by the caller).
+        bias: ``[vocab_size]`` head bias, if any.
+        chunk_bytes: Budget of one chunk's logits buffers; the chunk length is derived from it and the vocabulary.
+        ignore_index: Targets with this value count neither in the loss nor in the mean.
+        reduction: ``mean`` (over the tokens that count) or ``sum``.
+        num_items_in_batch: Hugging Face's semantics: the summed loss divided by this (a whole accumulation
+            window's token count), whatever ``reduction`` says.
+        logit_scale: Multiplies the logits (Cohere's ``logit_scale``; Granite's is ``1 / logits_scaling``).
+        softcap: ``cap * tanh(logits / cap)`` before the softmax (Gemma 2's ``final_logit_softcapping``).
+        grads_in_forward: Compute the gradients in the forward pass (3 head matmuls in all); ``False`` recomputes
+            the logits in backward (4).
+        weight_scale: ``[vocab_size, 1]`` float32 scales of an int8-held frozen ``weight`` (the head's
+            ``held_weight_scale``, :mod:`lit_speed.finetune.frozen_base`): each slice is dequantized, ``q * scale``.
+
+    Returns:
+        The float32 scalar loss (NaN for a mean over no token, as ``F.cross_entropy``).
 
     Raises:
-        ValueError: ``chunk_mib`` not positive; at setup, a module with nothing to chunk, or a Hugging Face model
-            whose logits are more than its head (see :func:`~lit_speed.memory.hf_chunked_loss.hf_lm_head`).
-
-    Example::
-
-        trainer = Trainer(callbacks=[ChunkedLMLoss()])  # chunk_mib="auto": timed here; or a number of MiB
+        ValueError: An unknown reduction, a non-positive ``chunk_bytes``, or mismatched shapes.
     """
-
-    def __init__(self, chunk_mib: float | str = "auto", check: bool = True) -> None:
-        self.auto = chunk_mib == "auto"
-        if not self.auto and (isinstance(chunk_mib, bool) or not isinstance(chunk_mib, (int, float))
-                              or not chunk_mib > 0):
-            raise ValueError(f"ChunkedLMLoss(chunk_mib={chunk_mib!r}): the budget of one chunk's logits, a number of "
-                             f"MiB > 0, or 'auto' (timed on this machine). Fix: chunk_mib=auto or "
-                             f"chunk_mib={DEFAULT_CHUNK_MIB}")
-        self.chunk_mib = float(DEFAULT_CHUNK_MIB if self.auto else chunk_mib)
-        self.check = bool(check)
-        self.decision: Decision | None = None  # chunk_mib="auto": what was timed (or restored) at fit start
-        self._restored_mib: float | None = None
-        self.wrapped: list[str] = []  # what the last setup switched (kept after teardown, for the summary)
-        self.active = False
-
-    @property
-    def chunk_bytes(self) -> int:
-        return max(1, int(self.chunk_mib * 2**20))
-
-    def _apply(self, pl_module: "pl.LightningModule") -> None:
-        """Give every wrapped module the current :attr:`chunk_bytes`."""
-        if isinstance(pl_module, ChunkedLossModel):
-            pl_module.use_chunked_loss(self.chunk_bytes)
-        for module in pl_module.modules():
-            set_chunk_bytes(module, self.chunk_bytes)
-
-    @staticmethod
-    def _head(pl_module: "pl.LightningModule") -> tuple[torch.Tensor | None, dict[str, Any]]:
-        """The head's weight and logit transform of the (first) language model in ``pl_module``; no weight where it
-        is not a whole ``[vocab, hidden]`` matrix here (a ZeRO-3 shard)."""
-        weight, options = None, {}
-        found = next((m for m in pl_module.modules() if is_hf_causal_lm(m)), None)
-        if found is not None:
-            spec = hf_lm_head(found, check=False)
-            weight, options = spec.head.weight, spec.loss_options()
-        else:
-            weight = getattr(getattr(getattr(pl_module, "model", None), "lm_head", None), "weight", None)
-        whole = isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.numel() > 0
-        return (weight, options) if whole else (None, {})
-
-    @override
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if not (self.auto and self.active) or self.decision is not None:
-            return
-        weight, options = self._head(pl_module)
-        if self._restored_mib is not None:
-            self.chunk_mib = self._restored_mib
-            self.decision = Decision("loss.chunk_tokens", "restored",
-                                     f"{self.chunk_mib:g} MiB from the checkpoint: not timed", {})
-        elif weight is not None:
-            hidden_dtype = self._hidden_dtype(pl_module, weight)
-            self.decision = on_rank_zero(lambda: choose_chunk_tokens(
-                weight, options, trainer.precision_plugin.forward_context, hidden_dtype))
-            tokens = int(self.decision.chosen)
-            compute = head_compute_dtype(trainer.precision_plugin.forward_context, hidden_dtype, weight.device)
-            self.chunk_mib = tokens * weight.shape[0] * bytes_per_logit(compute, options.get("softcap") is not None) \
-                / 2**20
-        else:
-            return
-        self._apply(pl_module)
-        rank_zero_info(f"ChunkedLMLoss: chunk_mib=auto -> {self.chunk_mib:g} MiB of logits "
-                       f"({self.decision.line()})")
-
-    @staticmethod
-    def _hidden_dtype(pl_module: "pl.LightningModule", weight: torch.Tensor) -> torch.dtype:
-        """What the head's input is held in: the trainable weights' dtype (float32 adapters around a bf16 base, a
-        bf16-true model's bf16), else the head's."""
-        trained = next((p.dtype for p in pl_module.parameters() if p.requires_grad and p.is_floating_point()), None)
-        return trained or (weight.dtype if weight.is_floating_point() else torch.float32)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"chunk_mib": self.chunk_mib} if self.auto and self.decision is not None else {}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.auto and "chunk_mib" in state_dict:
-            self._restored_mib = float(state_dict["chunk_mib"])
-
-    @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if self.active:
-            return
-        if isinstance(pl_module, ChunkedLossModel):
-            pl_module.use_chunked_loss(self.chunk_bytes)
-            self.wrapped = [type(pl_module).__name__]
-        else:
-            found = [(name, m) for name, m in pl_module.named_modules() if is_hf_causal_lm(m)]
-            for name, module in found:
-                chunk_hf_loss(module, self.chunk_bytes, check=self.check)
-            self.wrapped = [name or type(pl_module).__name__ for name, _ in found]
-        if not self.wrapped:
-            raise ValueError(f"ChunkedLMLoss: {type(pl_module).__name__} holds no Hugging Face causal LM and has no "
-                             "use_chunked_loss(chunk_bytes) method (lit_speed.interfaces.ChunkedLossModel): there is "
-                             "no language-model loss to chunk. Fix: drop chunked_loss from callbacks")
-        self.active = True
-        rank_zero_info(f"ChunkedLMLoss: loss in chunks of {self.chunk_mib:g} MiB of logits ({', '.join(self.wrapped)})"
-                       + ("; chunk_mib=auto times larger chunks at fit start" if self.auto else ""))
-
-    @override
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if isinstance(pl_module, ChunkedLossModel):
-            pl_module.use_chunked_loss(None)
-        for module in pl_module.modules():
-            unchunk_hf_loss(module)
-        self.active = False
-
-    def describe(self) -> dict[str, str]:
-        where = ", ".join(self.wrapped) if self.wrapped else "set up at fit start"
-        size = "auto (timed at fit start)" if self.auto and self.decision is None else f"<= {self.chunk_mib:g} MiB"
-        return {"chunked loss": f"LM head + cross-entropy in chunks of {size} of logits ({where})"}
-
-    def final_summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"chunk_mib": self.chunk_mib, "modules": list(self.wrapped)}
-        if self.auto:
-            out["auto"] = self.decision.line() if self.decision is not None else "not decided (no fit)"
-        return out
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"chunked_lm_loss(reduction={reduction!r}): one of {', '.join(REDUCTIONS)} (a per-token "
+                         "loss would be the whole tokens x vocabulary problem again). Fix: reduction='mean'")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunked_lm_loss(chunk_bytes={chunk_bytes!r}): a positive number of bytes. Fix: "
+                         f"chunk_bytes={DEFAULT_CHUNK_MIB * 2**20} ({DEFAULT_CHUNK_MIB} MiB)")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"chunked_lm_loss: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and targets "
+                         f"{tuple(targets.shape)} do not fit: hidden [..., H], weight [V, H], targets [...]")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"chunked_lm_loss(softcap={softcap!r}): a positive cap or None")
+    opts = {"chunk_bytes": chunk_bytes, "ignore_index": ignore_index, "reduction": reduction,
+            "num_items_in_batch": None if num_items_in_batch is None else float(num_items_in_batch),
+            "scale": float(logit_scale), "softcap": None if softcap is None else float(softcap),
+            "compute": compute_dtype(hidden), "weight_scale": weight_scale}
+    if weight.dtype == torch.int8 and weight_scale is None:
+        raise ValueError("chunked_lm_loss: an int8 head weight needs its weight_scale (the module's "
+                         "held_weight_scale): without it the logits would be the raw int8 steps")
+    tracked = [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
+    if not (torch.is_grad_enabled() and tracked):  # evaluation: the loss only, no graph
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+            return _run(hidden, weight, bias, targets, opts, (False, False, False))[0]
+    function = _StoredGradients if grads_in_forward else _RecomputedGradients
+    return function.apply(hidden, weight, bias, targets, opts)

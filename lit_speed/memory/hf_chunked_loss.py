@@ -2,7 +2,7 @@
 
 :func:`chunk_hf_loss` replaces ``forward`` on the model instance (its class, its ``state_dict`` keys and every other
 instance are untouched, as Liger-Kernel's patching does per class): a call with ``labels`` runs the decoder
-(``model.base_model``), then :func:`~lit_speed.memory.chunked_cross_entropy.chunked_lm_loss` on its last hidden state and the
+(``model.base_model``), then :func:`~lit_speed.memory.chunked_lm_loss.chunked_lm_loss` on its last hidden state and the
 output embedding's weight, so ``lm_head`` is never applied to all tokens; ``outputs.logits`` is ``None`` then.
 A call without ``labels`` is the model's own forward. Labels are shifted as Hugging Face does (or ``shift_labels``
 is used), ``num_items_in_batch`` and ``ignore_index`` keep their meaning.
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_speed.memory.chunked_cross_entropy import DEFAULT_CHUNK_MIB, chunked_lm_loss
+from lit_speed.memory.chunked_lm_loss import DEFAULT_CHUNK_MIB, chunked_lm_loss
 
 _ATTR = "_lit_speed_chunked_loss"
 #: Arguments of a causal LM's forward that only its loss function reads.

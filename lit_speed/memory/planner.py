@@ -31,7 +31,7 @@ import lit_speed  # the public names: the optimizer's declared state (lit_speed.
 from lit_speed.compat.torch import tree_map
 from lit_speed.memory.activation_checkpointing import checkpoint_modules, restore_modules
 from lit_speed.memory.memory_tracker import LiveTensorTracker, tensor_bytes
-from lit_speed.memory.model_state import STRATEGIES, model_state_bytes
+from lit_speed.memory.model_state import STRATEGIES, model_state_bytes, parameter_counts
 from lit_speed.precision.modes import BASELINE, PLAN_CANDIDATES, TABLE, spec
 
 # Assumed (not measured here) per-process speed factors of DeepSpeed options relative to plain training.
@@ -269,8 +269,8 @@ def plan(model: nn.Module, batch: Any, budget_bytes: int | None = None, micro_ba
         plan(model, next(iter(dm.train_dataloader())), budget_bytes=64 * 2**20).rows[0].command
     """
     _check_plan_arguments(strategies, precisions, optimizer_factory, micro_batches, probe_batches)
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # a frozen base under adapters
+    counts = parameter_counts(model)
+    n_params, n_frozen = counts.trainable, counts.frozen  # frozen: a base under adapters
     measured = measure_optimizer(model, optimizer_factory or (lambda ps: torch.optim.AdamW(ps, foreach=True)))
     ckpt_choices = (False, True) if checkpoint_modules else (False,)
     probes = {(p, c): probe(model, batch, p, checkpoint_modules if c else (), probe_batches, step_fn)

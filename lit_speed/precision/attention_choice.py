@@ -24,7 +24,8 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lit_speed.precision.thread_choice import decided_on_rank_zero
+from lit_speed.precision.thread_choice import timed_or_kept
+from lit_speed.tuning import on_rank_zero
 
 #: The kernels a run may name (``torch.nn.attention.SDPBackend``); ``default`` is torch's own pick.
 KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
@@ -65,9 +66,9 @@ class AttentionChoice:
         from lit_speed.precision.step_timing import choose_attention
 
         self.pending = False
-        self.chosen, self.reason = decided_on_rank_zero(
-            trainer, lambda: choose_attention(trainer.lightning_module, batch, mode, trainer.strategy.root_device),
-            "default", "kept torch's pick")
+        self.chosen, self.reason = on_rank_zero(lambda: timed_or_kept(
+            lambda: choose_attention(trainer.lightning_module, batch, mode, trainer.strategy.root_device),
+            "default", "kept torch's pick"), trainer)
         rank_zero_info(f"GuardedPrecision: attention=auto -> {self.shown()} ({self.reason})")
 
     def shown(self) -> str:

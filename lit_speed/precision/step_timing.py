@@ -8,19 +8,18 @@ median step seconds (``None`` for a mode whose loss is not finite); :func:`choos
 fastest, and keeps ``32-true`` unless a low-precision mode is clearly faster.
 
 The timings are cached per model class, parameter count and dtype, batch shapes, device, CPU/GPU model,
-thread count and torch version: in the process, and on disk (``$LIT_SPEED_CACHE_DIR``, else
-``$XDG_CACHE_HOME/lit_speed`` or ``~/.cache/lit_speed``, file ``precision_auto.json``), so a repeated run on
-the same machine decides in no time and decides the same way. One exception: a decision that kept ``32-true``
-although a low-precision mode timed faster (inside the margin) is timed again by the next runs, their rounds
-pooled with the cached ones, until :data:`SETTLE_ROUNDS` rounds per mode are in: a noisy first second must not
-decide for good. ``LIT_SPEED_AUTO_CACHE=0`` times afresh (and does not write); deleting the file does too.
+thread count and torch version, in the cache of every measured choice (:func:`lit_speed.tuning.machine_cache.
+measured_times`): in the process, and on disk (file ``precision_auto.json`` of the per-machine folder), so a
+repeated run on the same machine decides in no time and decides the same way. One exception: a decision that kept
+``32-true`` although a low-precision mode timed faster (inside the margin) is not :func:`settled`: the next runs
+time it again, their rounds pooled with the cached ones, until :data:`SETTLE_ROUNDS` rounds per mode are in: a
+noisy first second must not decide for good. ``LIT_SPEED_AUTO_CACHE=0`` times afresh (and does not write);
+deleting the file does too.
 """
 from __future__ import annotations
 
 import copy
-import json
 import math
-import statistics
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -36,7 +35,7 @@ from lit_speed.compat import lightning as pl_compat
 from lit_speed.precision import modes as mode_table
 from lit_speed.precision.fp32_modules import cast_floating
 from lit_speed.precision.master_weights import MasterWeights
-from lit_speed.tuning.machine_cache import cache_dir, disk_cache_enabled, machine_key, read_json, write_entry
+from lit_speed.tuning.machine_cache import cache_dir, disk_cache_enabled, measured_times, read_json, timing_key
 from lit_speed.tuning.measured_choice import MIN_GAIN, Decision, choose_fastest, measured_choice, time_interleaved
 
 #: An undecided entry (32-true kept although a low-precision mode timed faster, inside the margin) is timed
@@ -45,7 +44,6 @@ from lit_speed.tuning.measured_choice import MIN_GAIN, Decision, choose_fastest,
 SETTLE_ROUNDS = 36
 #: Bumped when the timing procedure changes, so older cached timings are not reused (5: lit_speed.tuning's loop).
 PROCEDURE = 5
-_CACHE: dict[str, dict[str, Any]] = {}  # cache key -> {"times": ..., "when": date or None}
 
 
 def _loss_of(module: nn.Module, batch: Any) -> torch.Tensor:
@@ -75,20 +73,14 @@ def _timings(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 1
 
     An entry that is not settled (:func:`settled`) is timed again and the new rounds pooled with the cached ones.
     """
-    key = cache_key(module, batch, modes)
-    if key not in _CACHE:
-        disk = cache_file() if (use_disk_cache if use_disk_cache is not None else disk_cache_enabled()) else None
-        entry = read_json(disk).get(key) if disk is not None else None
-        if entry is None or not settled(entry):
-            with torch.random.fork_rng(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # self.log() outside a loop warns
-                samples = _sample_interleaved(_detached_copy(module), batch, modes, steps, budget_s, loss_fn)
-            samples = _pool(entry.get("samples") if entry else None, samples)
-            entry = {"times": _medians(samples), "samples": samples, "when": None}  # timed in this process
-            if disk is not None:
-                write_entry(disk, key, {"times": entry["times"], "samples": entry["samples"]}, "precision=auto")
-        _CACHE[key] = entry
-    return dict(_CACHE[key]["times"]), _CACHE[key].get("when")
+    def sample() -> dict[str, list[float] | None]:
+        with torch.random.fork_rng(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log() outside a loop warns
+            return _sample_interleaved(_detached_copy(module), batch, modes, steps, budget_s, loss_fn)
+
+    key, device = cache_key(module, batch, modes)
+    return measured_times(cache_file(), key, sample, "precision=auto", device=device, use_disk_cache=use_disk_cache,
+                          settled=settled, in_process=True)
 
 
 def settled(entry: dict[str, Any]) -> bool:
@@ -101,23 +93,10 @@ def settled(entry: dict[str, Any]) -> bool:
     return not undecided or rounds >= SETTLE_ROUNDS
 
 
-def _pool(cached: dict[str, list[float] | None] | None, new: dict[str, list[float] | None]
-          ) -> dict[str, list[float] | None]:
-    """The cached rounds and this run's, per mode; a mode that went non-finite in either stays ``None``."""
-    if not cached:
-        return new
-    return {m: (None if cached.get(m) is None or new[m] is None else list(cached[m]) + list(new[m]))  # type: ignore[operator]
-            for m in new}
-
-
-def _medians(samples: dict[str, list[float] | None]) -> dict[str, float | None]:
-    return {m: (statistics.median(v) if v else None) for m, v in samples.items()}
-
-
 def cached_when(module: nn.Module, batch: Any, modes: Sequence[str]) -> str | None:
     """The date the on-disk cache holds timings for this model/batch/machine from, or ``None``."""
-    disk = cache_file() if disk_cache_enabled() else None
-    entry = read_json(disk).get(cache_key(module, batch, modes)) if disk is not None else None
+    key, device = cache_key(module, batch, modes)
+    entry = read_json(cache_file()).get(timing_key(key, device)) if disk_cache_enabled() else None
     return None if entry is None else str(entry.get("when"))
 
 
@@ -262,15 +241,14 @@ class preserved_rng_states:
 # ---- the cache key and the on-disk cache ------------------------------------------------------------------
 
 
-def cache_key(module: nn.Module, batch: Any, modes: Sequence[str]) -> str:
-    """What the timings depend on: the model, the batch, the modes, and the machine and software they ran on."""
+def cache_key(module: nn.Module, batch: Any, modes: Sequence[str]) -> tuple[dict[str, Any], torch.device]:
+    """What the timings depend on besides the machine (the model, the batch, the modes), and the device they run on
+    (:func:`~lit_speed.tuning.machine_cache.timing_key` adds the machine and software of that device)."""
     params = list(module.parameters())
     device = params[0].device if params else torch.device("cpu")
-    return json.dumps({
-        "procedure": PROCEDURE, "model": f"{type(module).__module__}.{type(module).__qualname__}",
-        "params": sum(p.numel() for p in params), "dtypes": sorted({str(p.dtype) for p in params}),
-        "batch": _shapes(batch), "modes": list(modes), "device": str(device), **machine_key(device)},
-        sort_keys=True, default=str)
+    return {"procedure": PROCEDURE, "model": f"{type(module).__module__}.{type(module).__qualname__}",
+            "params": sum(p.numel() for p in params), "dtypes": sorted({str(p.dtype) for p in params}),
+            "batch": _shapes(batch), "modes": list(modes), "device": str(device)}, device
 
 
 def cache_file() -> Path:

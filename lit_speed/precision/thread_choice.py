@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_speed.data.pipeline import available_cores  # a shared module: the one home of this fact
+from lit_speed.tuning import on_rank_zero
 
 
 class ThreadChoice:
@@ -55,7 +56,8 @@ class ThreadChoice:
             return choose_threads(trainer.lightning_module, batch, mode, counts, trainer.strategy.root_device)
 
         self.pending = False
-        chosen, self.reason = decided_on_rank_zero(trainer, time_it, torch.get_num_threads(), "kept")
+        kept = torch.get_num_threads()
+        chosen, self.reason = on_rank_zero(lambda: timed_or_kept(time_it, kept, "kept"), trainer)
         self.chosen = int(chosen)
         torch.set_num_threads(self.chosen)
         rank_zero_info(f"GuardedPrecision: threads=auto -> {self.chosen} ({self.reason})")
@@ -76,17 +78,12 @@ class ThreadChoice:
             torch.set_num_threads(self.chosen)
 
 
-def decided_on_rank_zero(trainer: Any, time_it: Callable[[], Any], kept: Any, kept_why: str) -> tuple[Any, str]:
-    """``(chosen, reason)`` of ``time_it()`` (a :class:`~lit_speed.tuning.Decision`) run on global rank 0 only, and
-    broadcast to every process: the ranks must step alike, and one timing is enough. A step the timer cannot run
-    keeps ``kept``, its reason ``"<kept_why>: could not time the step (<error type>)"``."""
-    from lit_speed.tuning import on_rank_zero
-
-    def decide() -> tuple[Any, str]:
-        try:
-            decision = time_it()
-        except Exception as error:  # noqa: BLE001 - a step this timer cannot run: keep what the run has
-            return kept, f"{kept_why}: could not time the step ({type(error).__name__})"
-        return decision.chosen, decision.reason
-
-    return on_rank_zero(decide, trainer)
+def timed_or_kept(time_it: Callable[[], Any], kept: Any, kept_why: str) -> tuple[Any, str]:
+    """``(chosen, reason)`` of ``time_it()`` (a :class:`~lit_speed.tuning.Decision`); a step the timer cannot run
+    keeps ``kept``, its reason ``"<kept_why>: could not time the step (<error type>)"``. Called through
+    :func:`~lit_speed.tuning.on_rank_zero`: rank 0 times, every rank gets its answer."""
+    try:
+        decision = time_it()
+    except Exception as error:  # noqa: BLE001 - a step this timer cannot run: keep what the run has
+        return kept, f"{kept_why}: could not time the step ({type(error).__name__})"
+    return decision.chosen, decision.reason

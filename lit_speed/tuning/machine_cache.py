@@ -5,6 +5,8 @@ where the run happens and cached per machine: the key holds the CPU model and it
 name), the thread count and the torch version, so the same command on another CPU decides afresh. The cache is a
 folder of small JSON files, one per kind of choice: ``$LIT_SPEED_CACHE_DIR``, else ``$XDG_CACHE_HOME/lit_speed`` or
 ``~/.cache/lit_speed``. ``LIT_SPEED_AUTO_CACHE=0`` turns it off (every run times afresh and writes nothing).
+:func:`measured_times` is that cache, the one of every measured choice (``precision=auto``'s step timings included):
+an entry per key and machine, optionally timed again until it is settled, optionally kept in the process too.
 """
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -96,3 +99,64 @@ def write_entry(path: Path, key: str, entry: dict[str, Any], what: str) -> None:
 
 #: cache folders a write already failed in (this process): the warning is given once for each
 _UNWRITABLE: set[Path] = set()
+
+
+#: Timings kept in this process (full key -> entry) for the choices that ask for it (``in_process=True``).
+_IN_PROCESS: dict[str, dict[str, Any]] = {}
+
+
+def timing_key(key: Mapping[str, Any], device: Any = None) -> str:
+    """The cache key of a timing: what it depends on (``key``) and the machine and software it ran on
+    (:func:`~lit_speed.tuning.machine_cache.machine_key` of ``device``), as one JSON string."""
+    return json.dumps({**machine_key(device), **dict(key)}, sort_keys=True, default=str)
+
+
+def pool_samples(cached: Mapping[str, list[float] | None] | None, new: Mapping[str, list[float] | None]
+                 ) -> dict[str, list[float] | None]:
+    """The cached rounds and this run's, per candidate; a candidate that could not run in either stays ``None``."""
+    if not cached:
+        return dict(new)
+    return {n: None if cached.get(n) is None or new[n] is None else [*cached[n], *new[n]]  # type: ignore[misc]
+            for n in new}
+
+
+def measured_times(path: Path, key: Mapping[str, Any], sample: Callable[[], Mapping[str, list[float] | None]],
+                   what: str, device: Any = None, use_disk_cache: bool | None = None,
+                   settled: Callable[[dict[str, Any]], bool] | None = None, in_process: bool = False
+                   ) -> tuple[dict[str, float | None], str | None]:
+    """The median seconds of each candidate for ``key`` on this machine, and the date they were cached on (``None``:
+    timed in this process): the one cache of measured choices.
+
+    The entry of :func:`timing_key` in the JSON file ``path`` is reused; else ``sample()`` times the candidates
+    (seconds of each call per candidate, ``None`` for one that could not run) and their medians are written there.
+
+    Args:
+        path: The cache file (in :func:`~lit_speed.tuning.machine_cache.cache_dir`).
+        key: What the timings depend on besides the machine, JSON-serialisable.
+        sample: Times the candidates.
+        what: The setting the timings serve, for the warning when the file cannot be written.
+        device: The device the timings run on (its name is part of the key; ``None``: the CPU).
+        use_disk_cache: Read and write ``path`` (default: unless ``LIT_SPEED_AUTO_CACHE=0``).
+        settled: Given, the entry keeps its rounds, and an entry for which it is false is timed again with the new
+            rounds pooled (:func:`pool_samples`): a decision made in a noisy second is not cached for good.
+        in_process: Keep the entry in this process too: asked again, it answers the same without reading the file
+            or timing, also with the disk cache off.
+    """
+    full = timing_key(key, device)
+    if in_process and full in _IN_PROCESS:
+        return dict(_IN_PROCESS[full]["times"]), _IN_PROCESS[full].get("when")
+    use_disk = disk_cache_enabled() if use_disk_cache is None else use_disk_cache
+    entry = read_json(path).get(full) if use_disk else None
+    if entry is None or (settled is not None and not settled(entry)):
+        samples = dict(sample())
+        kept: dict[str, Any] = {}
+        if settled is not None:
+            samples = pool_samples(entry.get("samples") if entry else None, samples)
+            kept = {"samples": samples}
+        entry = {"times": {n: statistics.median(v) if v else None for n, v in samples.items()}, **kept}
+        if use_disk:
+            write_entry(path, full, entry, what)
+        entry = {**entry, "when": None}
+    if in_process:
+        _IN_PROCESS[full] = entry
+    return dict(entry["times"]), entry.get("when")

@@ -3,18 +3,18 @@
 :func:`time_interleaved` runs one call of every candidate per round (the order rotating, after one warm-up call
 each), so a busy machine slows every candidate alike; :func:`choose_fastest` keeps the default unless another
 candidate is faster by ``min_gain``; :func:`measured_choice` does both once per machine and key, caching the
-timings (:mod:`lit_speed.tuning.machine_cache`) so that a repeated run decides in no time and the same way.
+timings (:func:`~lit_speed.tuning.machine_cache.measured_times`, the cache of every measured choice) so that a
+repeated run decides in no time and the same way.
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from lit_speed.tuning.machine_cache import cache_dir, disk_cache_enabled, machine_key, read_json, write_entry
+from lit_speed.tuning.machine_cache import cache_dir, measured_times
 
 #: The default is kept unless another candidate takes at most ``1 - MIN_GAIN`` of its time: one margin for every
 #: measured choice (precision=auto, threads, Muon's dtype, AdamW's kernel). It is also the most a wrong keep of
@@ -123,19 +123,11 @@ def measured_choice(name: str, key: Mapping[str, Any], candidates: Mapping[str, 
             keeps the medians, so ``scale`` may change between runs without re-timing.
         unit: ``ms`` or ``s``, for the reason's times.
     """
-    full_key = json.dumps({"name": name, "candidates": sorted(candidates), **machine_key(), **dict(key)},
-                          sort_keys=True, default=str)
     path = cache_dir() / f"{name.replace('/', '_')}.json"
-    use_disk = disk_cache_enabled() if use_disk_cache is None else use_disk_cache
-    entry = read_json(path).get(full_key) if use_disk else None
-    cached_on = entry.get("when") if entry else None
-    if entry is None:
-        samples = time_interleaved(candidates, rounds, budget_s)
-        entry = {"times": {n: (statistics.median(v) if v else None) for n, v in samples.items()}}
-        if use_disk:
-            write_entry(path, full_key, entry, name)
-    times = dict(entry["times"]) if scale is None else \
-        {n: None if t is None else t * scale[n] for n, t in entry["times"].items()}
+    medians, cached_on = measured_times(path, {"name": name, "candidates": sorted(candidates), **dict(key)},
+                                        lambda: time_interleaved(candidates, rounds, budget_s), name,
+                                        use_disk_cache=use_disk_cache)
+    times = medians if scale is None else {n: None if t is None else t * scale[n] for n, t in medians.items()}
     chosen, reason = choose_fastest(times, default, min_gain, unit)
     if cached_on:
         reason = f"{reason} (cached {cached_on} in {path})"

@@ -13,7 +13,7 @@ state) must be bitwise equal to an uninterrupted run's. One option varies at a t
 (digits + MLP); presets run as shipped, shrunk to a few steps. One process (multi-process resumes:
 ``test_faults_resume.py``). ``precision=auto`` is compared with an uninterrupted run in the mode it chose (a run
 that times its own step may choose differently from another run on a busy machine; that auto's run equals the
-chosen mode's run is tested in ``tests/precision/test_auto.py``).
+chosen mode's run is tested in ``tests/precision/test_step_timing.py``).
 """
 from __future__ import annotations
 

@@ -158,7 +158,7 @@ def test_the_chunked_loss_over_an_int8_tied_head_equals_the_unchunked_loss(tmp_p
     from transformers import AutoModelForCausalLM
 
     from lit_speed.finetune.adapters import add_adapters
-    from lit_speed.memory.chunked_cross_entropy import chunked_lm_loss
+    from lit_speed.memory.chunked_lm_loss import chunked_lm_loss
     from lit_speed.memory.hf_chunked_loss import chunk_hf_loss
     from tests.helpers.tiny_hf import save_tiny_causal_lm
 

@@ -300,7 +300,7 @@ def test_larger_loss_chunks_than_the_probes_are_counted_in_the_step():
 
     def cfg(chunk):
         callbacks = {} if chunk is None else {"chunked_loss": {
-            "_target_": "lit_speed.memory.chunked_lm_loss.ChunkedLMLoss", "chunk_mib": chunk}}
+            "_target_": "lit_speed.memory.chunked_lm_loss_callback.ChunkedLMLoss", "chunk_mib": chunk}}
         return OmegaConf.create({"callbacks": callbacks, "model": {}})
 
     def facts(vocab):

@@ -1,6 +1,6 @@
 """Logic of GPU-only paths, run on the CPU through honest stand-ins: CUDA-event timing and CUDA OOM recovery.
 
-The NVML sampler has its own file (``tests/monitoring/test_nvml_sampler.py``); DeepSpeed's accelerator choice is in
+The NVML sampler has its own file (``tests/monitoring/test_samplers.py``); DeepSpeed's accelerator choice is in
 ``test_ds_accelerator.py``. The real-device versions are marked ``gpu`` and skipped here.
 """
 from __future__ import annotations

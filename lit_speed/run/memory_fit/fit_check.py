@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
+from lit_speed.optim.state_cost import TORCH_STATES
 from lit_speed.run.config_targets import CONFIG_DIR
 from lit_speed.run.memory_fit.fit_levers import Levers, configured_levers, loss_chunk_mib
 from lit_speed.strategies.config_facts import config_facts
@@ -164,7 +165,7 @@ def probe_lengths(config: Any, block: int) -> tuple[int, int]:
 #: attention output, the residual sums, and a gradient of each), of the MLP's inner width (gate, up, activation,
 #: product, and gradients) and per attention score (scores, probabilities, the gradient); per token, tensors of the
 #: vocabulary width (the logits, their float32 copy, the log-softmax, and gradients).
-FLOAT32_BYTES = 4
+FLOAT32_BYTES = torch.float32.itemsize
 TRAINABLE_FLOATS = 1 + 2 + 2
 HIDDEN_FLOATS, INNER_FLOATS, SCORE_FLOATS, VOCAB_FLOATS = 20, 6, 3, 6
 #: The bound's margin over the sum of its parts.
@@ -189,18 +190,28 @@ def generous_bound(facts: RunFacts, process: int) -> int:
     return int(process + GENEROUS_MARGIN * max(state + activations, params * FLOAT32_BYTES + facts.file_bytes))
 
 
+#: The optimizer state assumed where the config's optimizer cannot say (a model's own ``configure_optimizers``, or
+#: an optimizer that declares nothing): torch's AdamW, two float32 moments (``lit_speed.optim.state_cost``'s table).
+ASSUMED_STATE_BYTES = float(TORCH_STATES[torch.optim.AdamW]({}) * FLOAT32_BYTES)
+#: Elements of the float32 parameter a low-bit optimizer's state is measured on (per-element bytes of its codes,
+#: block scales and lookup table, which a large tensor spreads over many blocks).
+LOW_BIT_SAMPLE = 1 << 20
+
+
 def optimizer_bytes_per_param(facts: RunFacts, levers: Levers, trainable: list[nn.Parameter]) -> float:
+    """Optimizer state bytes per trainable parameter: the low-bit AdamW's a lever set selects, else the configured
+    optimizer's declaration (built on one of ``trainable``), else :data:`ASSUMED_STATE_BYTES`."""
     from lit_speed import state_bytes_per_param
 
     if levers.low_bit_states:
         from lit_speed.optim.low_bit import low_bit_state_bytes
 
-        return low_bit_state_bytes(1 << 20, levers.low_bit_states, low_bit_block_size(levers.low_bit_states),
-                                   torch.float32) / (1 << 20)
+        return low_bit_state_bytes(LOW_BIT_SAMPLE, levers.low_bit_states, low_bit_block_size(levers.low_bit_states),
+                                   torch.float32) / LOW_BIT_SAMPLE
     if facts.optimizer is None:
-        return 8.0  # a model's own optimizer: AdamW's two float32 moments assumed
+        return ASSUMED_STATE_BYTES
     declared = state_bytes_per_param(facts.optimizer([p for p in trainable][:1] or [nn.Parameter(torch.zeros(1))]))
-    return 8.0 if declared is None else float(declared)
+    return ASSUMED_STATE_BYTES if declared is None else float(declared)
 
 
 def low_bit_block_size(bits: int) -> int:
@@ -278,7 +289,8 @@ def export_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> int:
     owner = "adapters" if levers.lora else "model"  # the callback that exports with these levers
     if facts_of_config.exporter == owner and cfg.peft.get("export", True) is False:
         return 0
-    return int(min(4 * (facts.frozen + facts.trainable), EXPORT_SHARD_BYTES + 4 * facts.largest))
+    whole = FLOAT32_BYTES * (facts.frozen + facts.trainable)
+    return int(min(whole, EXPORT_SHARD_BYTES + FLOAT32_BYTES * facts.largest))
 
 
 def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: int | None = None,
@@ -314,7 +326,7 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
     tokens = int(facts.tokens * micro_scale)
     return predict_peak_rss(step_extra=_chunk_extra(cfg, facts, levers, tokens) if levers.chunked_loss else 0,
         process=process, frozen_params=facts.frozen, frozen_bytes=frozen_bytes(facts, levers),
-        trainable_params=facts.trainable, trainable_bytes=4, state_bytes_per_param=state_bytes,
+        trainable_params=facts.trainable, trainable_bytes=FLOAT32_BYTES, state_bytes_per_param=state_bytes,
         step_temp_per_param=step_temp, probe=probe, layers=facts.layers, vocab=facts.vocab,
         tokens=tokens, load_bytes=read_bytes(facts, levers)
         # int8: the base is quantized after it is read, so its int8 copy adds to what loading holds (1B-dims folder,
@@ -327,8 +339,9 @@ def frozen_bytes(facts: RunFacts, levers: Levers) -> int:
     from lit_speed.precision.modes import spec
 
     if levers.base_int8:
-        return 1
-    return 2 if levers.base_bf16 or spec(facts.precision).module_dtype is not None else 4
+        return torch.int8.itemsize
+    half = levers.base_bf16 or spec(facts.precision).module_dtype is not None
+    return torch.bfloat16.itemsize if half else FLOAT32_BYTES
 
 
 def read_bytes(facts: RunFacts, levers: Levers) -> int:
@@ -342,10 +355,10 @@ def read_bytes(facts: RunFacts, levers: Levers) -> int:
 
 def _chunk_extra(cfg: DictConfig, facts: RunFacts, levers: Levers, tokens: int) -> int:
     """Bytes the run's loss chunks hold beyond the probe's (the probe chunks at the default budget): a larger
-    configured budget, or ``chunk_mib=auto``'s largest candidate (:func:`~lit_speed.memory.chunked_lm_loss.
-    auto_chunk_candidates`)."""
-    from lit_speed.memory.chunked_cross_entropy import DEFAULT_CHUNK_MIB, bytes_per_logit, chunked_loss_bytes
-    from lit_speed.memory.chunked_lm_loss import auto_chunk_candidates
+    configured budget, or ``chunk_mib=auto``'s largest candidate (:func:`~lit_speed.memory.
+    chunked_lm_loss_callback.auto_chunk_candidates`)."""
+    from lit_speed.memory.chunked_lm_loss import DEFAULT_CHUNK_MIB, bytes_per_logit, chunked_loss_bytes
+    from lit_speed.memory.chunked_lm_loss_callback import auto_chunk_candidates
     from lit_speed.precision.modes import spec
 
     compute = spec(facts.precision).compute_dtype

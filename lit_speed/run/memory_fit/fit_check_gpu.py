@@ -29,7 +29,7 @@ def gpu_run_host_bytes(cfg: DictConfig, facts: fit_check.RunFacts, levers: fit_l
     ``from_pretrained`` reads them (then they move to the GPU); ``end``: Lightning's ``Strategy.teardown`` moves the
     module and the optimizer's state back to the CPU before ``on_fit_end`` (measured on an H200, 0.5B full
     fine-tuning: +6 GB of host RSS in the run's last seconds), and the export writes from there."""
-    weights = facts.frozen * fit_check.frozen_bytes(facts, levers) + facts.trainable * 4
+    weights = facts.frozen * fit_check.frozen_bytes(facts, levers) + facts.trainable * fit_check.FLOAT32_BYTES
     state = int(facts.trainable * fit_check.optimizer_bytes_per_param(facts, levers, []))
     return fit_check.read_bytes(facts, levers), weights + state + fit_check.export_bytes(cfg, facts, levers)
 

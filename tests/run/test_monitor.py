@@ -55,7 +55,7 @@ def test_follow_monitor_keeps_the_state_key_the_callback_was_built_with(tmp_path
 
 
 def test_a_model_that_names_no_metric_follows_its_logged_validation_loss_through_a_resume(make_cfg, tmp_path):
-    target = ["model._target_=tests.run.test_run_monitor.UnnamedMLP"]
+    target = ["model._target_=tests.run.test_monitor.UnnamedMLP"]
     summary = train(make_cfg([*SHORT, *target]))
     assert summary["monitor"] == "val/loss" and summary["best_val"] is not None
     assert "chosen at the first validation" in summary["startup"]["monitor"]

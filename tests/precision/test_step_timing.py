@@ -13,6 +13,7 @@ from torch import nn
 
 from lit_speed import GuardedPrecision
 from lit_speed.precision import modes, step_timing
+from lit_speed.tuning import machine_cache
 
 MODES = ("32-true", "bf16-master", "bf16-mixed")
 
@@ -30,7 +31,7 @@ class Tiny(nn.Module):
 def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LIT_SPEED_AUTO_CACHE", raising=False)
-    monkeypatch.setattr(step_timing, "_CACHE", {})
+    monkeypatch.setattr(machine_cache, "_IN_PROCESS", {})
     return tmp_path
 
 
@@ -69,7 +70,7 @@ def test_timings_are_cached_on_disk_and_reused_without_timing(cache_dir: Path, m
     key = json.loads(next(iter(entry)))
     assert key["hardware"] and key["torch"] == torch.__version__ and key["params"] == 72 and key["modes"] == list(MODES)
 
-    monkeypatch.setattr(step_timing, "_CACHE", {})  # a new process: only the file remains
+    monkeypatch.setattr(machine_cache, "_IN_PROCESS", {})  # a new process: only the file remains
 
     def no_timing(*args, **kwargs):
         raise AssertionError("timed again although the disk cache holds this model, batch and machine")
@@ -100,7 +101,7 @@ def test_an_undecided_choice_is_timed_again_by_the_next_runs_until_settled(
     monkeypatch.setattr(step_timing, "_sample_interleaved", _timer_returning([run] * 5, calls))
     module, batch = Tiny(), torch.ones(4, 8)
     for _ in range(4):  # four runs, each a new process
-        monkeypatch.setattr(step_timing, "_CACHE", {})
+        monkeypatch.setattr(machine_cache, "_IN_PROCESS", {})
         times, when = step_timing._timings(module, batch, MODES)
     assert len(calls) == timings_expected  # inside the margin: 3 + 3 rounds pooled = settled; clear: once
     entry = next(iter(json.loads((cache_dir / "precision_auto.json").read_text()).values()))
@@ -118,7 +119,7 @@ def test_pooled_rounds_decide_by_their_median_and_a_mode_non_finite_once_stays_o
     monkeypatch.setattr(step_timing, "_sample_interleaved", _timer_returning([first, second], calls))
     module, batch = Tiny(), torch.ones(4, 8)
     assert step_timing.choose_by_timing(step_timing.time_modes(module, batch, MODES))[0] == "32-true"
-    monkeypatch.setattr(step_timing, "_CACHE", {})
+    monkeypatch.setattr(machine_cache, "_IN_PROCESS", {})
     times = step_timing.time_modes(module, batch, MODES)
     assert times == {"32-true": 0.010, "bf16-master": 0.0090, "bf16-mixed": None}  # median of 3 + 5 rounds
     assert step_timing.choose_by_timing(times)[0] == "bf16-master" and len(calls) == 2
@@ -130,7 +131,7 @@ def test_disabled_or_damaged_cache_times_afresh(cache_dir: Path, monkeypatch: py
     step_timing.time_modes(module, batch, MODES, steps=2)
     assert not (cache_dir / "precision_auto.json").exists()
     monkeypatch.delenv("LIT_SPEED_AUTO_CACHE")
-    monkeypatch.setattr(step_timing, "_CACHE", {})
+    monkeypatch.setattr(machine_cache, "_IN_PROCESS", {})
     (cache_dir / "precision_auto.json").write_text("{not json")
     times = step_timing.time_modes(module, batch, MODES, steps=2)
     assert list(json.loads((cache_dir / "precision_auto.json").read_text()).values())[0]["times"] == times
@@ -256,7 +257,7 @@ def test_auto_resumes_with_the_checkpoints_decision_without_timing_again(
     trainer.save_checkpoint(tmp_path / "a.ckpt")
     assert plugin.mode == "bf16-master"
     monkeypatch.setattr(step_timing, "_sample_interleaved", lambda *a: pytest.fail("a resumed run must not re-time"))
-    monkeypatch.setattr(step_timing, "_CACHE", {})
+    monkeypatch.setattr(machine_cache, "_IN_PROCESS", {})
     resumed, again = _Regressor(), GuardedPrecision("auto")
     trainer = pl.Trainer(accelerator="cpu", max_steps=5, plugins=[again], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)

@@ -324,7 +324,7 @@ def test_hf_causal_lm_chunked_loss_equals_its_plain_loss_also_with_adapters(tmp_
 
 
 def test_chunks_are_balanced_never_longer_than_the_budget_and_as_few():
-    from lit_speed.memory.chunked_cross_entropy import balanced_chunk
+    from lit_speed.memory.chunked_lm_loss import balanced_chunk
 
     for tokens in range(1, 60):
         for most in range(1, 25):
@@ -337,7 +337,7 @@ def test_chunks_are_balanced_never_longer_than_the_budget_and_as_few():
 
 
 def test_auto_candidates_double_the_default_chunk_within_the_cap():
-    from lit_speed.memory.chunked_lm_loss import AUTO_ENOUGH_TOKENS, auto_chunk_candidates
+    from lit_speed.memory.chunked_lm_loss_callback import AUTO_ENOUGH_TOKENS, auto_chunk_candidates
 
     assert auto_chunk_candidates(151_936) == [220, 440, 880]  # Qwen2.5's vocabulary, float32 logits
     assert auto_chunk_candidates(151_936, torch.bfloat16) == [147, 294, 588]  # + a 16-bit copy per logit
@@ -347,7 +347,7 @@ def test_auto_candidates_double_the_default_chunk_within_the_cap():
 
 
 def test_auto_times_larger_chunks_at_fit_start_and_a_resumed_run_keeps_its_choice(tmp_path, monkeypatch):
-    import lit_speed.memory.chunked_lm_loss as callback_module
+    import lit_speed.memory.chunked_lm_loss_callback as callback_module
 
     monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(callback_module, "DEFAULT_CHUNK_MIB", 0.002)  # 5 tokens of 97 logits: candidates 5, 10, 20
@@ -387,7 +387,7 @@ def test_auto_times_larger_chunks_at_fit_start_and_a_resumed_run_keeps_its_choic
 def test_auto_times_in_the_dtype_the_head_computes_in(tmp_path, monkeypatch):
     """A bf16-true model's hidden states are bf16 (16-bit copies per logit: fewer tokens per chunk); float32
     adapters around a bf16-held head compute in float32."""
-    from lit_speed.memory.chunked_lm_loss import choose_chunk_tokens
+    from lit_speed.memory.chunked_lm_loss_callback import choose_chunk_tokens
 
     monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))
     weight = (torch.randn(151_936, 8) * 0.02).bfloat16()
@@ -402,7 +402,7 @@ def test_auto_is_refused_in_other_spellings():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: times the chunk sizes on the GPU")
 def test_auto_times_the_chunk_on_the_gpu_and_the_loss_stays_the_plain_one():
-    from lit_speed.memory.chunked_lm_loss import auto_chunk_candidates, choose_chunk_tokens
+    from lit_speed.memory.chunked_lm_loss_callback import auto_chunk_candidates, choose_chunk_tokens
 
     torch.manual_seed(0)
     weight = (torch.randn(151_936, 64) * 0.02).cuda()
