@@ -18,7 +18,7 @@ def test_the_configured_run_is_read_from_the_composed_config() -> None:
         (["32-true"], 64, "auto", 1, False, ["default"])
     fast = configured_run(preflight(["experiment=charlm_fast"]))
     assert fast.precisions == ["32-true", "bf16-master", "bf16-mixed"]  # precision=auto: the modes it times
-    assert (fast.micro_batch, fast.strategy, fast.callbacks) == (12, "auto", [])  # callbacks=none in the preset
+    assert (fast.micro_batch, fast.strategy, fast.callbacks) == (12, "auto", ["validation_budget"])  # the preset's
     zero = configured_run(preflight(["strategy=zero2_offload", "trainer.devices=2", "callbacks=[default,compile]"]))
     assert (zero.strategy, zero.world_size, zero.callbacks) == ("zero2_offload", 2, ["default", "compile"])
     assert configured_run(preflight(["callbacks=[default,activation_checkpointing]"])).checkpointing
