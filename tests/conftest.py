@@ -158,3 +158,13 @@ def _restored_thread_count():
     yield
     if torch.get_num_threads() != before:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _lightning_logs_reach_caplog(monkeypatch):
+    """Lightning turns off propagation of its loggers when it is imported before the root logger has a handler (which
+    of the test modules imports it first decides it): ``caplog`` listens on the root, so each test sees them."""
+    import logging
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        monkeypatch.setattr(logging.getLogger(name), "propagate", True)
