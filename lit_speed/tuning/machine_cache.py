@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import statistics
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -101,6 +102,46 @@ def write_entry(path: Path, key: str, entry: dict[str, Any], what: str) -> None:
 _UNWRITABLE: set[Path] = set()
 
 
+#: A timing during which other processes kept at least this many cores busy on average (CPU steal included) is used
+#: by the run that took it and not cached: beside one busy core on a 2-core machine, a 2-thread step timed 1.3 s
+#: against one thread's 0.08 s, and that answer must not stay the machine's once it is quiet again.
+BUSY_CORES = 0.25
+
+
+class OtherLoad:
+    """Cores that other processes kept busy, on average, while the ``with`` block ran: the machine's busy CPU time
+    (``psutil.cpu_times``: all but idle and iowait, steal included) less this process's own, over the wall time."""
+
+    def __enter__(self) -> "OtherLoad":
+        self._start = (time.perf_counter(), _machine_busy_s(), _own_cpu_s())
+        self.cores = 0.0
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        wall, busy, own = (now - then for now, then in zip((time.perf_counter(), _machine_busy_s(), _own_cpu_s()),
+                                                            self._start))
+        self.cores = max(0.0, busy - own) / wall if wall > 0 else 0.0
+
+    @property
+    def busy(self) -> bool:
+        """Whether the timing is not the quiet machine's (see :data:`BUSY_CORES`)."""
+        return self.cores >= BUSY_CORES
+
+
+def _machine_busy_s() -> float:
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+
+def _own_cpu_s() -> float:
+    import psutil
+
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
 #: Timings kept in this process (full key -> entry) for the choices that ask for it (``in_process=True``).
 _IN_PROCESS: dict[str, dict[str, Any]] = {}
 
@@ -148,15 +189,32 @@ def measured_times(path: Path, key: Mapping[str, Any], sample: Callable[[], Mapp
     use_disk = disk_cache_enabled() if use_disk_cache is None else use_disk_cache
     entry = read_json(path).get(full) if use_disk else None
     if entry is None or (settled is not None and not settled(entry)):
-        samples = dict(sample())
+        with OtherLoad() as load:
+            samples = dict(sample())
         kept: dict[str, Any] = {}
         if settled is not None:
             samples = pool_samples(entry.get("samples") if entry else None, samples)
             kept = {"samples": samples}
         entry = {"times": {n: statistics.median(v) if v else None for n, v in samples.items()}, **kept}
-        if use_disk:
+        if use_disk and load.busy:
+            _say_busy(what, load.cores)
+        elif use_disk:
             write_entry(path, full, entry, what)
         entry = {**entry, "when": None}
     if in_process:
         _IN_PROCESS[full] = entry
     return dict(entry["times"]), entry.get("when")
+
+
+def _say_busy(what: str, cores: float) -> None:
+    """Say once per setting and process that a timing was not cached because the machine was busy."""
+    if what in _SAID_BUSY:
+        return
+    _SAID_BUSY.add(what)
+    warnings.warn(f"{what} was timed while other processes kept {cores:.1f} of {os.cpu_count()} cores busy: its choice "
+                  "is used for this run and not cached, so the next run times it again (on a quiet machine the answer "
+                  "can differ: fewer threads win beside a busy core).", stacklevel=4)
+
+
+#: settings whose busy-machine timing was already said in this process
+_SAID_BUSY: set[str] = set()

@@ -108,3 +108,33 @@ def test_interleaved_timing_stops_once_the_rounds_have_separated_the_candidates(
     close = time_interleaved({n: candidate(n) for n in ("fast", "close")}, rounds=10, budget_s=60)
     assert len(close["fast"]) == len(close["close"]) == 10  # 1% apart: inside the margin, every round is run
     assert mc.separated({"a": [1.0, 1.1], "b": [1.2, 1.3]}) and not mc.separated({"a": [1.0, 1.25], "b": [1.2, 1.3]})
+
+
+def test_a_timing_taken_beside_other_busy_processes_is_used_but_not_cached(tmp_path, monkeypatch):
+    """Beside a busy core, 2 threads timed 1.3 s a step against 1 thread's 0.08 s: the run uses that answer, the
+    cache does not keep it (the next run, maybe quiet, times again), and the reason is said once."""
+    from lit_speed.tuning import machine_cache
+
+    monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LIT_SPEED_AUTO_CACHE", raising=False)
+    monkeypatch.setattr(machine_cache, "BUSY_CORES", 0.25)
+    monkeypatch.setattr(machine_cache, "_SAID_BUSY", set())
+    clock = {"machine": 0.0, "own": 0.0}
+    monkeypatch.setattr(machine_cache, "_machine_busy_s", lambda: clock["machine"])
+    monkeypatch.setattr(machine_cache, "_own_cpu_s", lambda: clock["own"])
+
+    def candidate(own: float, others: float):
+        def run():
+            clock["own"] += own
+            clock["machine"] += own + others
+        return run
+
+    busy = {"a": candidate(0.01, 0.05), "b": candidate(0.02, 0.05)}  # others: 5 core-ms a ms of our wall time
+    with pytest.warns(UserWarning, match=r"test\.busy was timed while other processes kept .* cores busy: its choice "
+                                         r"is used for this run and not cached"):
+        first = measured_choice("test.busy", {}, busy, default="b", rounds=2)
+    assert first.cached_on is None and not (tmp_path / "test.busy.json").exists()
+    quiet = {"a": candidate(0.01, 0.0), "b": candidate(0.02, 0.0)}
+    measured_choice("test.busy", {}, quiet, default="b", rounds=2)
+    assert (tmp_path / "test.busy.json").exists()  # quiet: cached
+    assert measured_choice("test.busy", {}, quiet, default="b").cached_on is not None
