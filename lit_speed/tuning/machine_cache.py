@@ -105,12 +105,16 @@ _UNWRITABLE: set[Path] = set()
 #: A timing during which other processes kept at least this many cores busy on average (CPU steal included) is used
 #: by the run that took it and not cached: beside one busy core on a 2-core machine, a 2-thread step timed 1.3 s
 #: against one thread's 0.08 s, and that answer must not stay the machine's once it is quiet again.
+#: ``LIT_SPEED_BUSY_CORES`` overrides it (``inf``: cache however busy the machine is).
 BUSY_CORES = 0.25
+#: Timings shorter than this are not judged: the kernel's CPU counters tick every 10 ms, too coarse to tell.
+BUSY_MIN_WALL_S = 0.5
 
 
 class OtherLoad:
     """Cores that other processes kept busy, on average, while the ``with`` block ran: the machine's busy CPU time
-    (``psutil.cpu_times``: all but idle and iowait, steal included) less this process's own, over the wall time."""
+    (``psutil.cpu_times``: all but idle and iowait, steal included) less this process's and its children's (data
+    loader workers), over the wall time."""
 
     def __enter__(self) -> "OtherLoad":
         self._start = (time.perf_counter(), _machine_busy_s(), _own_cpu_s())
@@ -120,12 +124,14 @@ class OtherLoad:
     def __exit__(self, *exc: Any) -> None:
         wall, busy, own = (now - then for now, then in zip((time.perf_counter(), _machine_busy_s(), _own_cpu_s()),
                                                             self._start))
+        self.wall = wall
         self.cores = max(0.0, busy - own) / wall if wall > 0 else 0.0
 
     @property
     def busy(self) -> bool:
-        """Whether the timing is not the quiet machine's (see :data:`BUSY_CORES`)."""
-        return self.cores >= BUSY_CORES
+        """Whether the timing is not the quiet machine's (see :data:`BUSY_CORES`, :data:`BUSY_MIN_WALL_S`)."""
+        limit = float(os.environ.get("LIT_SPEED_BUSY_CORES") or BUSY_CORES)
+        return self.wall >= BUSY_MIN_WALL_S and self.cores >= limit
 
 
 def _machine_busy_s() -> float:
@@ -138,8 +144,15 @@ def _machine_busy_s() -> float:
 def _own_cpu_s() -> float:
     import psutil
 
-    t = psutil.Process().cpu_times()
-    return t.user + t.system
+    me = psutil.Process()
+    total = 0.0
+    for proc in (me, *me.children(recursive=True)):
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:  # a child that ended in between
+            continue
+        total += t.user + t.system
+    return total
 
 
 #: Timings kept in this process (full key -> entry) for the choices that ask for it (``in_process=True``).

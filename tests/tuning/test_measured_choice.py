@@ -117,7 +117,8 @@ def test_a_timing_taken_beside_other_busy_processes_is_used_but_not_cached(tmp_p
 
     monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LIT_SPEED_AUTO_CACHE", raising=False)
-    monkeypatch.setattr(machine_cache, "BUSY_CORES", 0.25)
+    monkeypatch.setenv("LIT_SPEED_BUSY_CORES", "0.25")
+    monkeypatch.setattr(machine_cache, "BUSY_MIN_WALL_S", 0.0)  # the fake calls take microseconds
     monkeypatch.setattr(machine_cache, "_SAID_BUSY", set())
     clock = {"machine": 0.0, "own": 0.0}
     monkeypatch.setattr(machine_cache, "_machine_busy_s", lambda: clock["machine"])
@@ -138,3 +139,16 @@ def test_a_timing_taken_beside_other_busy_processes_is_used_but_not_cached(tmp_p
     measured_choice("test.busy", {}, quiet, default="b", rounds=2)
     assert (tmp_path / "test.busy.json").exists()  # quiet: cached
     assert measured_choice("test.busy", {}, quiet, default="b").cached_on is not None
+
+
+def test_the_load_of_a_timing_too_short_for_the_cpu_counters_is_not_judged(monkeypatch):
+    """The kernel's counters tick every 10 ms: over a 3 ms timing one tick reads as 6.7 busy cores."""
+    from lit_speed.tuning import machine_cache
+
+    monkeypatch.setenv("LIT_SPEED_BUSY_CORES", "0.25")
+    ticks = iter([0.0, 0.02])
+    monkeypatch.setattr(machine_cache, "_machine_busy_s", lambda: next(ticks))
+    monkeypatch.setattr(machine_cache, "_own_cpu_s", lambda: 0.0)
+    with machine_cache.OtherLoad() as load:
+        pass
+    assert load.cores > 1 and not load.busy
