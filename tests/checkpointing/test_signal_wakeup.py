@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from tests.helpers.fault_scripts.runs import ROOT, SHORT_RUN, env
@@ -42,6 +43,7 @@ def _record(watch: bool) -> list[str]:
     return done.stdout.split()
 
 
+@pytest.mark.slow  # 10-28 s: the default tier stays near 10 minutes on 2 cores
 def test_a_signal_is_recorded_when_it_arrives_while_the_main_thread_is_busy():
     during, after, late_s = _record(watch=True)
     assert during == after == str(int(signal.SIGTERM)) and float(late_s) < 1.0  # seen at once, with its time
@@ -55,6 +57,7 @@ SLOW = ["model._target_=tests.helpers.fault_scripts.slow_backward.SlowBackwardML
         "+model.slow_seconds=240", f"callbacks.fault_tolerance.signal_deadline_s={DEADLINE_S}"]
 
 
+@pytest.mark.slow  # 10-28 s: the default tier stays near 10 minutes on 2 cores
 def test_a_sigterm_during_a_long_backward_exits_within_the_deadline_saving_the_last_completed_step(tmp_path):
     run = tmp_path / "run"
     log = tmp_path / "run.log"

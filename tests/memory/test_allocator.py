@@ -27,6 +27,7 @@ print((psutil.Process().memory_info().rss - base) // 2**20)
 
 
 @pytest.mark.skipif(glibc() is None, reason="mallopt is glibc's: this machine's C library is not glibc")
+@pytest.mark.slow  # 10-28 s: the default tier stays near 10 minutes on 2 cores
 def test_freed_tensors_stay_in_the_process_by_default_and_go_back_with_the_threshold_pinned():
     kept = {mode: int(subprocess.run([sys.executable, "-c", PATTERN, mode], cwd=ROOT, capture_output=True, text=True,
                                      check=True).stdout.split()[-1]) for mode in ("off", "on")}

@@ -154,6 +154,7 @@ def test_hydra_flags_the_preflight_refuses_as_hydra_would(importable, argv, mess
         preflight(argv)
 
 
+@pytest.mark.slow  # 10-28 s: the default tier stays near 10 minutes on 2 cores
 def test_the_command_without_pythonpath_stops_in_one_line_naming_the_fix(tmp_path):
     _, args = documented_command()
     proc = run_train_script([*args, f"hydra.run.dir={tmp_path}"], timeout=300)  # no PYTHONPATH: not importable

@@ -23,6 +23,7 @@ NOISE = ("Failed to load", "_C_mxfp8", "Detected no triton", "register_constant(
          "`weights_only` was not set")
 
 
+@pytest.mark.slow  # 10-28 s: the default tier stays near 10 minutes on 2 cores
 def test_a_hugging_face_run_prints_no_line_from_imports_it_does_not_use(tmp_path):
     pytest.importorskip("transformers")
     from tests.helpers.tiny_hf import save_tiny_causal_lm, write_texts

@@ -138,6 +138,7 @@ def test_runner_prefixes_a_component_refusal_with_its_config_path(make_cfg):
     assert with_config_path("val_fraction must be in (0, 1)", paths) is None
 
 
+@pytest.mark.slow  # 10-28 s: the default tier stays near 10 minutes on 2 cores
 def test_seconds_since_launch_counts_from_the_process_start_to_a_clock_tick() -> None:
     """A child's own launch clock, read first thing, is inside the parent's wall time around it (psutil's
     create_time, rounded to /proc/stat's whole-second boot time, put it ~0.5 s early on this machine)."""

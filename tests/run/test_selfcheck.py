@@ -72,6 +72,7 @@ def test_a_failed_run_reports_its_error_line_not_hydras_closing_hint() -> None:
     assert selfcheck.error_line("", -9) == "exit -9"
 
 
+@pytest.mark.slow  # 10-28 s: the default tier stays near 10 minutes on 2 cores
 def test_a_failed_training_process_keeps_its_stderr(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as raised:
         selfcheck.train(["no_such_group=1"], tmp_path / "run")

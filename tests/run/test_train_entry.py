@@ -27,6 +27,7 @@ def test_default_digits_run_reaches_95_percent(make_cfg, tmp_path):
     assert written["config"]["data"]["_target_"].endswith("DigitsDataModule")
 
 
+@pytest.mark.slow  # 10-28 s: the default tier stays near 10 minutes on 2 cores
 def test_charlm_beats_unigram_baseline_in_200_steps(make_cfg):
     summary = train(make_cfg(["experiment=charlm_cpu", "trainer.max_steps=200", "logger=none", "callbacks=none"]))
     val_loss = summary["final_val"]["val/loss"]
@@ -95,6 +96,7 @@ def test_preflight_checks_the_first_value_of_a_sweep():
     preflight(["-m", "precision=32-true,bf16-mixed", "hydra.sweep.dir=/tmp/x"])  # valid: no error
 
 
+@pytest.mark.slow  # 10-28 s: the default tier stays near 10 minutes on 2 cores
 def test_unknown_option_exits_with_one_clear_message(tmp_path):
     result = run_train_script(["precision=fp8", f"hydra.run.dir={tmp_path}"], timeout=120)
     assert result.returncode == 2
