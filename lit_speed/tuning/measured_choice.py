@@ -65,7 +65,8 @@ def time_interleaved(candidates: Mapping[str, Callable[[], Any]], rounds: int = 
     for r in range(max(rounds, 2)):
         if r >= 2 and time.perf_counter() > deadline:
             break
-        if r >= SEPARATED_AFTER and separated(samples) and min(map(min, samples.values())) >= SEPARATED_MIN_CALL_S:
+        if r >= SEPARATED_AFTER and live and separated(samples) \
+                and min(map(min, samples.values())) >= SEPARATED_MIN_CALL_S:
             break
         for name in (live[r % len(live):] + live[:r % len(live)]) if live else []:
             start = time.perf_counter()

@@ -109,6 +109,11 @@ def test_interleaved_timing_stops_once_the_rounds_have_separated_the_candidates(
     assert len(close["fast"]) == len(close["close"]) == 10  # 1% apart: inside the margin, every round is run
     assert mc.separated({"a": [1.0, 1.1], "b": [1.2, 1.3]}) and not mc.separated({"a": [1.0, 1.25], "b": [1.2, 1.3]})
 
+    def broken():
+        raise RuntimeError("no kernel here")
+
+    assert time_interleaved({"x": broken, "y": broken}, rounds=10, budget_s=60) == {"x": None, "y": None}
+
 
 def test_a_timing_taken_beside_other_busy_processes_is_used_but_not_cached(tmp_path, monkeypatch):
     """Beside a busy core, 2 threads timed 1.3 s a step against 1 thread's 0.08 s: the run uses that answer, the
