@@ -42,9 +42,15 @@ class ThreadChoice:
         self.pending = threads == "auto"  # timed on the first training batch
 
     def apply_fixed(self) -> None:
-        """Set a requested or restored count (at setup)."""
+        """Set a requested or restored count (at setup). In a deterministic run (``torch.
+        use_deterministic_algorithms``: Lightning's ``deterministic=True``) torch's own count is set too: only
+        ``torch.set_num_threads`` turns MKL's dynamic threads off (``MKL_DYNAMIC``, on by default), and a thread
+        count MKL cannot change at run time is its first condition for the same float sums from run to run
+        (Intel oneMKL guide, "Reproducibility Conditions")."""
         if self.chosen is not None:
             torch.set_num_threads(self.chosen)
+        elif torch.are_deterministic_algorithms_enabled():
+            torch.set_num_threads(torch.get_num_threads())
 
     def decide(self, trainer: Any, batch: Any, mode: str) -> None:
         """``threads="auto"``: rank 0 times the step at each candidate count, every rank uses its choice."""

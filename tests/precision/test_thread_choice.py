@@ -59,6 +59,17 @@ def _fit(root, plugin, max_steps, ckpt_path=None):
     return trainer
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_deterministic_run_sets_torchs_own_count_so_mkl_cannot_change_it(monkeypatch, deterministic):
+    # MKL_DYNAMIC is on until torch.set_num_threads is called; a deterministic run calls it with torch's count
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    GuardedPrecision().threads.apply_fixed()
+    assert calls == ([torch.get_num_threads()] if deterministic else [])
+    GuardedPrecision(threads=1).threads.apply_fixed()
+    assert calls[-1] == 1
+
 def test_auto_threads_are_decided_on_the_first_batch_saved_and_reused_on_resume(tmp_path, monkeypatch):
     calls = []
 
