@@ -157,16 +157,21 @@ class KeepFreedMemory(Callback):
     (:func:`stop_keeping_freed_memory`) for the rest of the process, with a warning and ``released_at_step`` in the
     summary. Refused beside :class:`ReturnFreedMemory`.
 
+    ``scripts/train.py`` adds it to a Hugging Face model's run whose callbacks name neither (``by_default``: the
+    start-up table says so, and how to return freed memory instead).
+
     Args:
         min_available_fraction: Stop keeping when less than this fraction of the machine's memory is available.
+        by_default: Added by ``scripts/train.py``, not configured (its start-up row says so).
     """
 
-    def __init__(self, min_available_fraction: float = 0.15) -> None:
+    def __init__(self, min_available_fraction: float = 0.15, by_default: bool = False) -> None:
         if isinstance(min_available_fraction, bool) or not isinstance(min_available_fraction, (int, float)) \
                 or not 0.0 < min_available_fraction < 1.0:
             raise ValueError(f"KeepFreedMemory(min_available_fraction={min_available_fraction!r}): a fraction of "
                              "the machine's memory, between 0 and 1. Fix: min_available_fraction=0.15")
         self.min_available_fraction = float(min_available_fraction)
+        self.by_default = by_default
         self.applied: bool | None = None
         self.released_at_step: int | None = None
 
@@ -180,7 +185,7 @@ class KeepFreedMemory(Callback):
             rank_zero_info("KeepFreedMemory: glibc serves every block from its heaps and keeps what is freed: no "
                            "page faults for the next step's tensors, a higher peak RSS (given back if available "
                            f"memory falls below {self.min_available_fraction:.0%})")
-        else:
+        elif not self.by_default:  # added by default: its start-up row and summary say it did nothing here
             _warn_no_glibc("KeepFreedMemory", "keep_freed_memory")
 
     def _check(self, trainer: "pl.Trainer") -> None:
@@ -211,8 +216,12 @@ class KeepFreedMemory(Callback):
 
     def describe(self) -> dict[str, str]:
         """The start-up table's row."""
+        if self.by_default and glibc() is None:
+            return {"freed memory": f"the C library's defaults ({platform.libc_ver()[0] or 'not glibc'}: no mallopt)"}
+        why = " (the default for a Hugging Face model; callbacks=[default,return_freed_memory] returns it)" \
+            if self.by_default else ""
         return {"freed memory": "kept in the process for reuse (glibc: no mmap, no trim) while more than "
-                                f"{self.min_available_fraction:.0%} of memory is available"}
+                                f"{self.min_available_fraction:.0%} of memory is available{why}"}
 
     def final_summary(self) -> dict[str, Any]:
         return {"applied": self.applied, "min_available_fraction": self.min_available_fraction,

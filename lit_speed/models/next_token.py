@@ -35,6 +35,14 @@ def batch_parts(batch: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch
     return batch["input_ids"], batch["labels"], extra
 
 
+def first_row(batch: Any) -> Any:
+    """Row 0 of a ``(input, target)`` pair or of a token dict of ``(rows, tokens)`` tensors."""
+    if isinstance(batch, Mapping):
+        return {k: v[:1] if isinstance(v, torch.Tensor) and v.dim() >= 1 else v for k, v in batch.items()}
+    x, y = batch
+    return x[:1], y[:1]
+
+
 class NextTokenSteps:
     """Mixin for a LightningModule whose ``forward(idx)`` returns logits and whose batches are ``(input, target)``
     token windows (or token dicts, see :func:`batch_parts`): float32 cross-entropy (targets ``-100`` ignored),
@@ -43,7 +51,11 @@ class NextTokenSteps:
 
     With :meth:`use_chunked_loss` (``lit_speed.interfaces.ChunkedLossModel``) the loss runs the LM head and the
     cross-entropy in chunks of tokens (``lit_speed.chunked_lm_loss``) on what ``head_inputs(idx)`` returns: the final
-    hidden states, the head's weight and bias, and the logit transform."""
+    hidden states, the head's weight and bias, and the logit transform.
+
+    Lightning's sanity check (``num_sanity_val_steps``) runs the validation step on the first row of each batch (one
+    with a trained target): the code path it checks, at a fraction of a batch's cost (its values are never logged).
+    At Qwen2.5-0.5B dims a 4 x 256 batch took 4.7 s, more than a third of a training step."""
 
     monitor = "val/loss"
     monitor_mode = "min"
@@ -85,6 +97,9 @@ class NextTokenSteps:
         self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed token losses, tokens
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self._trainer is not None and self._trainer.sanity_checking:
+            row = first_row(batch)
+            batch = row if bool((batch_parts(row)[1] != -100).any()) else batch
         targets = batch_parts(batch)[1]
         tokens = (targets != -100).sum()
         self._val_sums += torch.stack([self.batch_loss(batch).detach().double() * tokens, tokens.double()])

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, stop_signal_received, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
+from lit_speed.memory.allocator import KeepFreedMemory, ReturnFreedMemory
 from lit_speed.monitoring.step_progress_bar import StepProgressBar
 from lit_speed.reporting.fixed_validation import process_start_time
 from lit_speed.run.config_error import RunStopped
@@ -107,6 +108,10 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         if isinstance(part, ModelPreparer):
             part.prepare_model(model)
     phases["model_prepare"] = time.perf_counter() - preparing
+    if facts.hf_model and not any(isinstance(cb, (KeepFreedMemory, ReturnFreedMemory)) for cb in callbacks):
+        # a Hugging Face model's step frees blocks above glibc's 32 MiB mmap ceiling every step: kept for the next
+        # step unless the config says where freed memory goes (handed back when available memory runs short)
+        callbacks.append(KeepFreedMemory(by_default=True))
     safety_net = None
     if not any(isinstance(cb, FaultTolerance) for cb in callbacks):
         # a scheduler's SIGTERM must never lose the whole run: saving on a signal costs nothing until one comes

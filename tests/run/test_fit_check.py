@@ -78,8 +78,9 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_the_weights_load(ma
         train(make_cfg(_args(folder, texts, "peft=none")))
     message = str(refused.value)
     assert "\n" not in message and "needs about 30.00 GiB" in message and "GiB is there" in message
-    # the levers before LoRA (cheaper in speed) are added on the way; the set that fits is named whole
-    assert "Fix: 'callbacks=[chunked_loss,activation_checkpointing]' peft=lora peft.base_dtype=bf16 (predicted 6.00 " \
+    # the levers before LoRA (cheaper in speed) are added on the way; the set that fits is named whole (the chunked
+    # loss is on already: conf/model/hf_causal_lm.yaml's loss_chunk_mib)
+    assert "Fix: 'callbacks=[activation_checkpointing]' peft=lora peft.base_dtype=bf16 (predicted 6.00 " \
            "GiB); scripts/plan.py shows every option" in message
 
 
