@@ -124,3 +124,27 @@ def test_a_bad_keep_threshold_is_refused_naming_the_fix(bad):
     with pytest.raises(ValueError, match=r"KeepFreedMemory\(min_available_fraction=.*\): a fraction .*Fix: "
                                          r"min_available_fraction=0\.15"):
         KeepFreedMemory(min_available_fraction=bad)
+
+
+EXPORT_AFTER_KEEPING = r"""
+import sys, types, psutil, torch
+from lit_speed.finetune.export import export_after_fit
+from lit_speed.memory.allocator import keep_freed_memory
+assert keep_freed_memory()
+blocks = [torch.ones(64 * 2**20 // 4) for _ in range(16)]  # 1 GiB of a step's activations, freed and kept
+blocks.clear()
+before = psutil.Process().memory_info().rss
+trainer = types.SimpleNamespace(is_global_zero=True, datamodule=None)
+export_after_fit(trainer, torch.nn.Linear(4, 4), sys.argv[1], format="state_dict")
+print((before - psutil.Process().memory_info().rss) // 2**20)
+"""
+
+
+@pytest.mark.slow  # ~14 s (a process that imports the exporter and faults in 1 GiB)
+@pytest.mark.skipif(glibc() is None, reason="mallopt is glibc's: this machine's C library is not glibc")
+def test_the_export_hands_the_kept_memory_back_before_it_copies_the_weights(tmp_path):
+    # the export's float32 copies then add to what the model holds, not to the training step's kept peak
+    out = subprocess.run([sys.executable, "-c", EXPORT_AFTER_KEEPING, str(tmp_path / "export")], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[-1]) >= 900, out.stdout + out.stderr  # MiB of the 1 GiB kept, handed back
+    assert (tmp_path / "export" / "model.pt").is_file()

@@ -18,8 +18,11 @@ from omegaconf import DictConfig
 from lit_speed.run.config_error import ConfigError
 from lit_speed.run.memory_fit import fit_check, fit_check_gpu, fit_levers
 
-#: The levers the refusal lists when no set of them fits.
-_ALL_LEVERS = "chunked loss, a bf16 base, 8-bit states, checkpointing, LoRA, micro-batch 1"
+#: How a refusal names each of :data:`~lit_speed.run.memory_fit.fit_levers.LEVERS`.
+_LEVER_WORDS = {"chunked_loss": "chunked loss", "base_bf16": "a bf16 base", "low_bit_states": "8-bit states",
+                "checkpointing": "checkpointing", "base_int8": "an int8 base", "lora": "LoRA"}
+#: The levers the refusal lists when no set of them fits: every lever tried, then the halved micro-batches.
+_ALL_LEVERS = ", ".join(_LEVER_WORDS[name] for name in fit_levers.LEVERS) + ", micro-batch 1"
 
 
 @dataclass(frozen=True)
