@@ -33,6 +33,7 @@ _EXPORTS = {
     "return_freed_memory": "lit_speed.memory.allocator",
     "KeepFreedMemory": "lit_speed.memory.allocator",
     "keep_freed_memory": "lit_speed.memory.allocator",
+    "trim_heap": "lit_speed.memory.allocator",
     "CompileModel": "lit_speed.memory.compile_model",
     "ChunkedLMLoss": "lit_speed.memory.chunked_lm_loss_callback",
     "chunked_lm_loss": "lit_speed.memory.chunked_lm_loss",

@@ -270,14 +270,14 @@ def export_after_fit(trainer: Any, module: nn.Module, out_dir: str | Path, forma
 
     if not trainer.is_global_zero:
         return None
-    from lit_speed.memory.allocator import trim_heap
+    import lit_speed
 
     tokenizer = getattr(module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
     start = time.perf_counter()
     # the free memory glibc's heaps hold (freed activations, kept by KeepFreedMemory) back to the system first, so the
     # export's float32 copies add to what the model holds and not to the training step's peak: 0.5B SFT on XA peaked
     # in the export, 3.55 GiB against a 3.26 GiB training plateau
-    trim_heap()
+    lit_speed.trim_heap()
     written = export_merged(module, out_dir, tokenizer, format)
     seconds = round(time.perf_counter() - start, 3)
     rank_zero_info(f"{label} written to {out_dir} ({', '.join(sorted(written))})")
