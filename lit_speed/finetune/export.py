@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+import lit_speed  # the public names: trim_heap (lit_speed.memory)
 from lit_speed.finetune.adapters import adapter_layers
 from lit_speed.finetune.frozen_base import dequantize_frozen_base, dequantized, int8_scales
 
@@ -270,8 +271,6 @@ def export_after_fit(trainer: Any, module: nn.Module, out_dir: str | Path, forma
 
     if not trainer.is_global_zero:
         return None
-    import lit_speed
-
     tokenizer = getattr(module, "tokenizer", None) or getattr(trainer.datamodule, "tokenizer", None)
     start = time.perf_counter()
     # the free memory glibc's heaps hold (freed activations, kept by KeepFreedMemory) back to the system first, so the
