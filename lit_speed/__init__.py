@@ -34,6 +34,7 @@ _EXPORTS = {
     "KeepFreedMemory": "lit_speed.memory.allocator",
     "keep_freed_memory": "lit_speed.memory.allocator",
     "trim_heap": "lit_speed.memory.allocator",
+    "head_batch": "lit_speed.accumulation.window",
     "CompileModel": "lit_speed.memory.compile_model",
     "ChunkedLMLoss": "lit_speed.memory.chunked_lm_loss_callback",
     "chunked_lm_loss": "lit_speed.memory.chunked_lm_loss",

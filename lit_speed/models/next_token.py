@@ -35,14 +35,6 @@ def batch_parts(batch: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch
     return batch["input_ids"], batch["labels"], extra
 
 
-def first_row(batch: Any) -> Any:
-    """Row 0 of a ``(input, target)`` pair or of a token dict of ``(rows, tokens)`` tensors."""
-    if isinstance(batch, Mapping):
-        return {k: v[:1] if isinstance(v, torch.Tensor) and v.dim() >= 1 else v for k, v in batch.items()}
-    x, y = batch
-    return x[:1], y[:1]
-
-
 class NextTokenSteps:
     """Mixin for a LightningModule whose ``forward(idx)`` returns logits and whose batches are ``(input, target)``
     token windows (or token dicts, see :func:`batch_parts`): float32 cross-entropy (targets ``-100`` ignored),
@@ -98,7 +90,7 @@ class NextTokenSteps:
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if self._trainer is not None and self._trainer.sanity_checking:
-            row = first_row(batch)
+            row = lit_speed.head_batch(batch, 1)
             batch = row if bool((batch_parts(row)[1] != -100).any()) else batch
         targets = batch_parts(batch)[1]
         tokens = (targets != -100).sum()

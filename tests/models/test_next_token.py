@@ -6,8 +6,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import lit_speed
 from lit_speed.models.gpt import GPTModule
-from lit_speed.models.next_token import first_row
 
 
 class _Recorder(GPTModule):
@@ -29,8 +29,9 @@ def _loader() -> DataLoader:
 
 def test_the_sanity_check_validates_one_row_and_validation_every_row(tmp_path):
     model = _Recorder()
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=1, limit_val_batches=2, num_sanity_val_steps=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=1, limit_val_batches=2,
+                         num_sanity_val_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False,
                          default_root_dir=tmp_path)
     trainer.fit(model, train_dataloaders=_loader(), val_dataloaders=_loader())
     assert model.rows == [(True, 1), (True, 1), (False, 4), (False, 4)]
@@ -40,7 +41,7 @@ def test_a_first_row_without_a_trained_target_leaves_the_sanity_batch_whole():
     batch = {"input_ids": torch.ones(3, 5, dtype=torch.long), "labels": torch.full((3, 5), -100),
              "position_ids": torch.arange(5).repeat(3, 1)}
     batch["labels"][1:, 2] = 4
-    row = first_row(batch)
+    row = lit_speed.head_batch(batch, 1)
     assert {k: tuple(v.shape) for k, v in row.items()} == {k: (1, 5) for k in batch}
     assert not bool((row["labels"] != -100).any())  # validation_step keeps the whole batch for this one
-    assert [t.shape for t in first_row((torch.zeros(3, 5), torch.zeros(3, 5)))] == [(1, 5), (1, 5)]
+    assert [t.shape for t in lit_speed.head_batch((torch.zeros(3, 5), torch.zeros(3, 5)), 1)] == [(1, 5), (1, 5)]
