@@ -15,7 +15,7 @@ import importlib.util, importlib.metadata as md, sys
 mods = ["torch", "lightning", "deepspeed", "torchmetrics", "hydra", "psutil", "rich", "sklearn", "matplotlib", "ninja"]
 extras = ",".join(sys.argv[1:]).split(",")
 if "test" in extras:
-    mods += ["pytest", "pytest_timeout", "tensorboard", "hydra_plugins.hydra_optuna_sweeper", "ruff"]
+    mods += ["pytest", "pytest_timeout", "pytest_rerunfailures", "tensorboard", "hydra_plugins.hydra_optuna_sweeper", "ruff"]
 if "finetune" in extras:
     mods += ["transformers", "peft", "safetensors", "tokenizers", "torchao", "datasets"]
 for m in mods:  # find, do not import: importing torch + deepspeed costs seconds

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lit_speed.checkpointing import FaultTolerance, resolve_ckpt_path, verify_checkpoint  # noqa: E402
 from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
-from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
+from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal, max_abs_differences
 from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train
 
 SIGKILLED = -9
@@ -67,9 +67,7 @@ def _both(*jobs: tuple[list[str], Path]) -> list:
 
 
 def _assert_same_training_state(reference: Path, resumed: Path) -> None:
-    diffs = max_abs_differences(reference, resumed)
-    different = {k: v for k, v in diffs.items() if v != 0.0}
-    assert not different, f"{len(different)}/{len(diffs)} tensors differ from the uninterrupted run: {different}"
+    assert_bitwise_equal(reference, resumed)
 
 
 @pytest.mark.parametrize("extra, kill_range", MATRIX)

@@ -27,7 +27,7 @@ from lit_speed.checkpointing import FaultTolerance, ResumableCSVLogger  # noqa: 
 from lit_speed.checkpointing.stop_signals import INBOX
 from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
-from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences, metrics_rows
+from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal, assert_same_rows, metrics_rows
 from tests.helpers.fault_scripts.kill_at_step import NoteSignalAt
 from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, kill_at, train
 
@@ -59,10 +59,8 @@ def _run_and_resume(tmp_path: Path, make_checkpoint, crash_at: int, **trainer_kw
         _fit(tmp_path / "run", make_checkpoint(tmp_path / "run"), crash_at=crash_at, **trainer_kwargs)
     _fit(tmp_path / "run", make_checkpoint(tmp_path / "run"), resume=True, **trainer_kwargs)
     reference, run = (metrics_rows(p / "csv" / "metrics.csv") for p in (tmp_path / "reference", tmp_path / "run"))
-    assert run == reference, f"{len(run)} vs {len(reference)} rows; first difference: " + str(
-        next(((a, b) for a, b in zip(run, reference) if a != b), "(one is a prefix of the other)"))
-    diffs = max_abs_differences(tmp_path / "reference" / "ckpt" / "last.ckpt", tmp_path / "run" / "ckpt" / "last.ckpt")
-    assert not {k: v for k, v in diffs.items() if v != 0.0}
+    assert_same_rows(run, reference)
+    assert_bitwise_equal(tmp_path / "reference" / "ckpt" / "last.ckpt", tmp_path / "run" / "ckpt" / "last.ckpt")
 
 
 def test_a_resume_from_a_mid_epoch_batch_end_checkpoint_writes_the_same_metrics_csv(tmp_path):
@@ -104,8 +102,7 @@ def test_a_stop_after_a_batch_that_validated_resumes_logging_at_the_same_steps(t
         fit(tmp_path / "run", NoteSignalAt(4))
     fit(tmp_path / "run", resume=True)
     reference, run = (metrics_rows(p / "csv" / "metrics.csv") for p in (tmp_path / "reference", tmp_path / "run"))
-    assert run == reference, f"{len(run)} vs {len(reference)} rows; first difference: " + str(
-        next(((a, b) for a, b in zip(run, reference) if a != b), "(one is a prefix of the other)"))
+    assert_same_rows(run, reference)
 
 
 # ---------------------------------------------------------------------------------------------- through train.py
@@ -116,10 +113,8 @@ def _both(*jobs: tuple[list[str], Path]) -> list:
 
 def _assert_same_run(reference: Path, run: Path) -> None:
     ref_rows, run_rows = metrics_rows(reference / "csv" / "metrics.csv"), metrics_rows(run / "csv" / "metrics.csv")
-    assert run_rows == ref_rows, f"{len(run_rows)} vs {len(ref_rows)} rows; first difference: " + str(
-        next(((a, b) for a, b in zip(run_rows, ref_rows) if a != b), "(one is a prefix of the other)"))
-    diffs = max_abs_differences(reference / "checkpoints" / "last.ckpt", run / "checkpoints" / "last.ckpt")
-    assert not {k: v for k, v in diffs.items() if v != 0.0}
+    assert_same_rows(run_rows, ref_rows)
+    assert_bitwise_equal(reference / "checkpoints" / "last.ckpt", run / "checkpoints" / "last.ckpt")
 
 
 @pytest.mark.slow

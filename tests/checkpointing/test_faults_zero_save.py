@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from lit_speed.checkpointing import verify_checkpoint  # noqa: E402
-from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
+from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal
 from tests.helpers.fault_scripts.runs import ROOT, SHORT_RUN, env, explain, kill_at, train
 
 SIGKILLED = -9
@@ -39,8 +39,7 @@ def test_sigkill_inside_a_zero2_save_moves_the_damaged_folder_aside_at_resume(tm
     assert "last.ckpt" in names and "last.ckpt.damaged-0" in names, names
     assert "The damaged folder was moved to last.ckpt.damaged-0" in resumed.stdout + resumed.stderr, explain(resumed)
     verify_checkpoint(folder / "last.ckpt")
-    diffs = max_abs_differences(tmp_path / "reference" / "checkpoints" / "last.ckpt", folder / "last.ckpt")
-    assert not {k: v for k, v in diffs.items() if v != 0.0}
+    assert_bitwise_equal(tmp_path / "reference" / "checkpoints" / "last.ckpt", folder / "last.ckpt")
 
     out = subprocess.run([sys.executable, "scripts/consolidate.py", str(folder / "last.ckpt"), str(tmp_path / "c.ckpt")],
                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)

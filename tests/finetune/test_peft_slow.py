@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.helpers.fault_scripts.compare_checkpoints import max_abs_differences
+from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal
 from tests.helpers.fault_scripts.runs import explain, kill_at, train
 from tests.helpers.tiny_hf import STDLIB, save_tiny_causal_lm
 
@@ -71,5 +71,4 @@ def test_killed_hf_lora_run_resumes_bitwise_from_its_adapters_only_checkpoint(tm
     assert "(cached " in chosen[2].group(2), chosen[2].group(0)  # the uninterrupted run reused the stopped run's timing
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert all("lora_" in k for k in torch.load(last, weights_only=True)["state_dict"])
-    diffs = max_abs_differences(tmp_path / "reference" / "checkpoints" / "last.ckpt", last)
-    assert diffs and all(v == 0.0 for v in diffs.values()), {k: v for k, v in diffs.items() if v}
+    assert_bitwise_equal(tmp_path / "reference" / "checkpoints" / "last.ckpt", last)
