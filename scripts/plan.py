@@ -78,7 +78,8 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
         title += "; the GPU step's memory (budget " + (gib(gpu_budget) if gpu_budget is not None else
                                                        "unknown here: --budget-mib") + ")"
     table = Table(title=title, title_justify="left")
-    for name in ("#", "levers", "weights GiB", "optimizer GiB", "step GiB", "load GiB", "export GiB", "peak RSS GiB",
+    for name in ("#", "levers", "weights GiB", "optimizer GiB", "step GiB", "load GiB", "export GiB", "check GiB",
+                 "peak RSS GiB",
                  *(("GPU GiB",) if gpu else ()), "fits"):
         table.add_column(name, justify="left" if name == "levers" else "right", no_wrap=name == "levers")
     first_fit = None
@@ -103,7 +104,7 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
             fits = peak <= budget
         first_fit = first_fit if first_fit is not None or not fits else (i, fix)
         shown = [estimate.weights, estimate.optimizer, max(estimate.step, estimate.optimizer_step), estimate.load,
-                 estimate.export, peak] + ([gpu_part["gpu_step"]] if gpu else [])
+                 estimate.export, estimate.check, peak] + ([gpu_part["gpu_step"]] if gpu else [])
         table.add_row(f"{i}{'*' if i == 0 else ''}", "+".join(added) or "-", *(f"{b / 2**30:.2f}" for b in shown),
                       "yes" if fits else "no")
         commands.append(f"#{i}: {fix}")

@@ -279,13 +279,19 @@ def _largest_linear(model: nn.Module) -> tuple[int, int] | None:
     return max(shapes, key=lambda s: s[0] * s[1]) if shapes else None
 
 
+#: The most weight elements :func:`choose_base_compute` times on: the largest layer's first rows up to this many. A
+#: matmul's time per element is the same over more rows, and the whole of a large vocabulary's head (a 1B model's
+#: 128256 x 2048) made 2.1 GB of float32 probe tensors at fit start, the run's peak RSS (1B-dims LoRA preset, XA).
+PROBE_WEIGHT_ELEMENTS = 1 << 24
+
+
 def choose_base_compute(model: nn.Module, device: torch.device | str = "cpu", tokens: int = 256,
                         measure: Callable[..., Decision] = measured_choice) -> Decision:
     """``fp32`` or ``bf16`` for the lowered base of ``model``, measured on this machine where it matters.
 
     Without native bf16 kernels (a CPU without AVX512-BF16/AMX, a GPU without bf16) bf16 is not timed (emulated
     bf16 matmuls are 50-500x slower). Otherwise one forward and input-gradient matmul of the largest lowered layer
-    with ``tokens`` rows is timed both ways (``measure``: :func:`lit_speed.tuning.measured_choice`, cached per
+    (at most :data:`PROBE_WEIGHT_ELEMENTS` of it) with ``tokens`` rows is timed both ways (``measure``: :func:`lit_speed.tuning.measured_choice`, cached per
     machine and shape); ``fp32`` is kept unless bf16 is faster by the usual margin.
     """
     device = torch.device(device)
@@ -298,12 +304,12 @@ def choose_base_compute(model: nn.Module, device: torch.device | str = "cpu", to
     if shape is None:
         return Decision(name, "fp32", "no lowered Linear layer to time")
     out_features, in_features = shape
+    out_features = min(out_features, max(PROBE_WEIGHT_ELEMENTS // in_features, 1))
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(tokens, in_features, generator=gen).to(device).requires_grad_()
     w = torch.randn(out_features, in_features, generator=gen).to(device, torch.bfloat16)
-    probe = nn.Linear(in_features, out_features, bias=False, device=device)
-    probe.weight.requires_grad_(False)
-    probe.weight.data = w
+    probe = nn.Linear(in_features, out_features, bias=False, device="meta")  # no float32 weight made, none initialised
+    probe.weight = nn.Parameter(w, requires_grad=False)
     probe.__class__ = _lowered_class(nn.Linear)
     probe.lit_speed_kind = "linear"
 

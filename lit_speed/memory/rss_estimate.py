@@ -19,9 +19,10 @@ model, minutes for a 0.5B one. At real size the estimate is built from parts ins
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -156,6 +157,7 @@ class RSSEstimate:
     slack: float = ALLOCATOR_SLACK
     export: int = 0      # after fit: the float32 tensors of the merged export alive at once (0 without one)
     notes: tuple[str, ...] = field(default=())
+    check: int = 0       # the RSS the estimate's own probe reached (it runs in the process before the weights load)
 
     @property
     def tensors(self) -> int:
@@ -174,17 +176,57 @@ class RSSEstimate:
 
     @property
     def peak(self) -> int:
-        return max(self.training_peak, int(self.process + self.load), self.export_peak)
+        return max(self.training_peak, int(self.process + self.load), self.export_peak, self.check)
 
     def parts(self) -> dict[str, int]:
         return {"process": self.process, "weights": self.weights, "optimizer": self.optimizer, "step": self.step,
-                "optimizer_step": self.optimizer_step, "load": self.load, "export": self.export, "peak": self.peak}
+                "optimizer_step": self.optimizer_step, "load": self.load, "export": self.export, "check": self.check,
+                "peak": self.peak}
+
+
+class PeakRSS:
+    """The largest RSS of this process while the ``with`` block runs, read from ``/proc/self/statm`` by a thread
+    every ``interval_s`` (``peak`` bytes; 0 where there is no such file). Linux keeps a high-water mark too, but only
+    resetting it (``clear_refs``) would make it the block's, and that would hide an earlier peak from every later
+    reader of the process's peak (``/usr/bin/time``, the run summary)."""
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s, self.peak = interval_s, 0
+        self._stop: Any = None
+
+    def _read(self, fd: int, page: int) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, int(os.pread(fd, 64, 0).split()[1]) * page)
+
+    def __enter__(self) -> "PeakRSS":
+        import threading
+
+        try:
+            self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+            return self
+        page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = int(os.pread(self._fd, 64, 0).split()[1]) * page
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(self._fd, page), daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, int(os.pread(self._fd, 64, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+        os.close(self._fd)
 
 
 def predict_peak_rss(*, process: int, frozen_params: int, frozen_bytes: float, trainable_params: int,
                      trainable_bytes: float, state_bytes_per_param: float, step_temp_per_param: float,
                      probe: ScaledProbe, layers: int, vocab: int, tokens: int, load_bytes: int,
-                     export_bytes: int = 0, notes: Sequence[str] = (), step_extra: int = 0) -> RSSEstimate:
+                     export_bytes: int = 0, notes: Sequence[str] = (), step_extra: int = 0,
+                     check: int = 0) -> RSSEstimate:
     """Add up the parts (see the module docstring).
 
     Args:
@@ -198,6 +240,7 @@ def predict_peak_rss(*, process: int, frozen_params: int, frozen_bytes: float, t
         load_bytes: Peak bytes while the weights are read (see :func:`load_peak_bytes`).
         export_bytes: Bytes the merged export holds at once after fit, on top of the weights (0: no export).
         step_extra: Bytes the run's step holds beyond the probe's at the same tokens (larger loss chunks).
+        check: The RSS the probe itself reached (:class:`PeakRSS`): the run's peak is at least that.
     """
     weights = int(frozen_params * frozen_bytes + trainable_params * trainable_bytes)
     optimizer = int(trainable_params * state_bytes_per_param)
@@ -209,7 +252,7 @@ def predict_peak_rss(*, process: int, frozen_params: int, frozen_bytes: float, t
         + int(step_extra)
     return RSSEstimate(process=int(process), weights=weights, optimizer=optimizer, step=step,
                        optimizer_step=int(grads + trainable_params * step_temp_per_param), load=int(load_bytes),
-                       export=int(export_bytes), notes=tuple(notes))
+                       export=int(export_bytes), notes=tuple(notes), check=int(check))
 
 
 def load_peak_bytes(file_bytes: int, params: int, load_dtype_bytes: int, file_dtype_bytes: int) -> int:

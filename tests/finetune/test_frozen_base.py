@@ -131,6 +131,29 @@ def test_choose_base_compute_does_not_time_emulated_bf16_and_else_keeps_the_fast
         assert seen == {"key": {"shape": [128, 32], "tokens": 256, "device": "cpu"}, "default": "fp32"}
 
 
+def test_choose_base_compute_times_at_most_probe_weight_elements_of_the_largest_layer(monkeypatch):
+    """A large vocabulary's head (1B dims: 128256 x 2048) is timed on its first rows: the whole of it made 2.1 GB of
+    float32 probe tensors at fit start, the run's peak RSS."""
+    from lit_speed.finetune import frozen_base
+
+    model = _lora_gpt()
+    lower_frozen_base(model)
+    monkeypatch.setattr(frozen_base, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(frozen_base, "PROBE_WEIGHT_ELEMENTS", 32 * 20)  # the largest layer is 128 x 32
+    shapes = []
+
+    def injected(name, key, candidates, default):
+        for call in candidates.values():
+            call()
+        shapes.append(key["shape"])
+        return Decision(name, default, "injected", times={})
+
+    with LiveTensorTracker() as tracker:
+        choose_base_compute(model, tokens=4, measure=injected)
+    assert shapes == [[20, 32]]
+    assert tracker.peak_bytes < 128 * 32 * 4  # not even one float32 copy of the whole layer
+
+
 def _fit(callback: PEFTAdapters, tmp_path, precision="32-true", steps=4, seed=0):
     torch.manual_seed(seed)
     module = GPTModule(**SIZES, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))

@@ -3,6 +3,8 @@ model of many layers, a large vocabulary and long windows (checked against the s
 and the parts add up as documented."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -100,3 +102,30 @@ def test_tied_parameters_count_once():
     trainable, frozen = parameter_counts(model)
     assert trainable == 50 * 32 + 50  # the tied embedding/head once, the head's bias
     assert frozen == sum(p.numel() for p in model.blocks.parameters())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="PeakRSS reads /proc/self/statm (Linux)")
+def test_peak_rss_sees_a_block_that_is_gone_when_it_ends():
+    """The probe's own peak (RSSEstimate.check): 256 MiB touched and freed inside the block raise its peak by about
+    that much, while the RSS after it is back down."""
+    import psutil
+
+    from lit_speed.memory.rss_estimate import PeakRSS
+
+    size = 256 * 2**20
+    with PeakRSS() as seen:
+        start = psutil.Process().memory_info().rss
+        block = torch.ones(size // 4)  # written: its pages are resident
+        time_held = torch.randn(64, 64) @ torch.randn(64, 64)  # a few ms of work while it is held
+        del block, time_held
+    after = psutil.Process().memory_info().rss
+    assert seen.peak >= start + 0.9 * size
+    assert after < seen.peak - 0.5 * size  # freed (glibc returns a block this large at once)
+
+
+def test_the_probes_peak_counts_in_the_estimate_and_not_in_a_tensors_only_one():
+    from lit_speed.memory.rss_estimate import RSSEstimate
+
+    parts = dict(process=100, weights=10, optimizer=1, step=5, optimizer_step=2, load=20, export=0)
+    assert RSSEstimate(**parts, check=500).peak == 500
+    assert RSSEstimate(**parts, check=50).peak == RSSEstimate(**parts).peak
