@@ -140,8 +140,17 @@ def activation_checkpointing_on(root: nn.Module) -> bool:
     """Whether any submodule of ``root`` recomputes its activations in backward: wrapped by
     :func:`checkpoint_modules`, by torch's ``checkpoint_wrapper``, or a Hugging Face model with gradient
     checkpointing enabled (``gradient_checkpointing_enable()``)."""
-    return any(getattr(m, _ATTR, False) or type(m).__name__ == "CheckpointWrapper"
-               or getattr(m, "is_gradient_checkpointing", False) is True for m in root.modules())
+    return any(getattr(m, _ATTR, False) or type(m).__name__ == "CheckpointWrapper" or _hf_checkpointing(m)
+               for m in root.modules())
+
+
+def _hf_checkpointing(module: nn.Module) -> bool:
+    """A Hugging Face model's own flag: ``is_activation_checkpointing`` (transformers 5), else the name it had before,
+    which transformers 5 keeps as an alias that prints a FutureWarning on every read."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(module), name):
+            return getattr(module, name) is True
+    return False
 
 
 class ActivationCheckpointing(Callback):

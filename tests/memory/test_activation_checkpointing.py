@@ -135,3 +135,23 @@ def test_compiled_checkpointed_blocks_share_one_graph(gpt_and_batch):
         return counters["stats"]["unique_graphs"]
 
     assert graphs(True) == graphs(False) < TINY_GPT["n_layer"]
+
+
+def test_a_hugging_face_models_own_checkpointing_is_read_without_a_deprecation_warning():
+    """transformers 5 renamed ``is_gradient_checkpointing`` to ``is_activation_checkpointing`` and keeps the old name
+    as an alias that warns on each read: the 1B preset printed that FutureWarning at fit start."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    from lit_speed.memory.activation_checkpointing import activation_checkpointing_on
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert activation_checkpointing_on(model) is False
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert activation_checkpointing_on(model) is True
