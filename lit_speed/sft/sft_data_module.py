@@ -230,6 +230,17 @@ class SFTDataModule(ResumableOrderHooks, pl.LightningDataModule):
             self._seen["batches"] += 1
         return batch
 
+    def largest_batch_positions(self) -> int:
+        """Positions of the largest training micro-batch any epoch can draw: its rows (packed) or examples (padded)
+        times the longest of them, which a step's activations and logits scale with. ``packing=auto`` (timed at fit
+        start): the larger of the two layouts. The memory estimate reads it before the weights load
+        (``lit_speed.run.memory_fit.fit_check``): ``batch_size x max_length`` overstated a packed step whose rows
+        hold ``batch_size`` examples on average (0.5B ``experiment=sft_lora``: 2048 positions for 1024)."""
+        self.setup()
+        layouts = [Layout(self.train_examples, self.batch_size, self.max_length, packed)
+                   for packed in ((True, False) if self.packing == "auto" else (bool(self.packing),))]
+        return max(layout.batch_size * int(layout.item_positions.max()) for layout in layouts)
+
     # ------------------------------------------------------------------ what the run reports
     def token_limits(self) -> TokenLimits:
         """The tokenizer's vocabulary and ``max_length`` positions (``lit_speed.run_contract.TokenSource``)."""

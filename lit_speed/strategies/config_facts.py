@@ -165,6 +165,7 @@ class ConfigFacts:
         checkpointing: An ``ActivationCheckpointing`` callback is configured.
         optimizer: The located optimizer class (``None``: none configured, or it does not import).
         low_bit_states: 8 or 4 for lit_speed's low-bit AdamWs (their ``bits``), else 0.
+        data_class: The located DataModule class (``None``: no ``data`` node, or it does not import).
     """
 
     precision_mode: str | None = None
@@ -181,6 +182,7 @@ class ConfigFacts:
     checkpointing: bool = False
     optimizer: Any = None
     low_bit_states: int = 0
+    data_class: Any = None
 
     def callback_keys(self, public_name: str) -> list[str]:
         """Keys of the configured callbacks that are lit_speed's ``public_name`` (or a subclass)."""
@@ -207,13 +209,14 @@ def config_facts(cfg: DictConfig) -> ConfigFacts:
     callbacks = {key: _target_class(node) for key, node in nodes.items()}
     chunked = next((nodes[key] for key, cls in callbacks.items() if is_a(cls, "ChunkedLMLoss")), None)
     optimizer = _target_class(_node(cfg, "optimizer"))
+    data_class = _target_class(_node(cfg, "data"))
     return ConfigFacts(
         precision_mode=None if mode is None else str(mode),
         precision_plugin=precision is not None and "_target_" in precision,
         strategy=_strategy_layout(cfg.get("strategy")),
         processes=configured_processes(cfg),
         hf_model=is_a(_target_class(_node(cfg, "model")), "HFCausalLM"),
-        text_folder=is_a(_target_class(_node(cfg, "data")), "TextFolderDataModule"),
+        text_folder=is_a(data_class, "TextFolderDataModule"),
         adapters=adapters,
         lora=adapters is not None and adapters.get("method", "lora") != "freeze",
         exporter=exporter,
@@ -222,4 +225,5 @@ def config_facts(cfg: DictConfig) -> ConfigFacts:
         checkpointing=any(is_a(cls, "ActivationCheckpointing") for cls in callbacks.values()),
         optimizer=optimizer,
         low_bit_states=int(optimizer.bits) if is_a(optimizer, "LowBitAdamW") else 0,
+        data_class=data_class,
     )

@@ -27,7 +27,7 @@ from torch import nn
 
 from lit_speed.optim.state_cost import TORCH_STATES
 from lit_speed.run.config_targets import CONFIG_DIR
-from lit_speed.run.memory_fit.fit_levers import Levers, configured_levers, loss_chunk_mib
+from lit_speed.run.memory_fit.fit_levers import Levers, configured_levers, keeps_freed_memory, loss_chunk_mib
 from lit_speed.strategies.config_facts import config_facts
 
 
@@ -134,7 +134,7 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
         precision = BASELINE
     block = data_window(cfg.data)
     return RunFacts(config, int(text.num_hidden_layers), int(text.vocab_size),
-                    int(cfg.data.batch_size) * block, block, frozen, trainable,
+                    batch_positions(cfg, block), block, frozen, trainable,
                     sum(os.path.getsize(f) for f in files), 2 if "16" in dtype else 4, str(precision), optimizer,
                     largest)
 
@@ -143,6 +143,18 @@ def data_window(data: DictConfig) -> int:
     """Positions per sequence the data's batches hold at most: ``block_size`` (text windows) or ``max_length``
     (``data=sft``: an example, or a packed row of several, is at most that long)."""
     return int(data.get("block_size") or data.get("max_length"))
+
+
+def batch_positions(cfg: DictConfig, block: int) -> int:
+    """Positions of the run's largest micro-batch: the DataModule's own answer where its class has one
+    (``largest_batch_positions``: SFT's packed rows, read from the tokenized examples, which the run's data then
+    finds cached), else ``batch_size x`` the window."""
+    data_class = config_facts(cfg).data_class
+    if data_class is not None and callable(getattr(data_class, "largest_batch_positions", None)):
+        import hydra.utils
+
+        return int(hydra.utils.instantiate(cfg.data, _convert_="all").largest_batch_positions())
+    return int(cfg.data.batch_size) * block
 
 
 #: The probe's longest window: one sequence of the run's block, at most this long (its cost grows with it).
@@ -326,10 +338,8 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
     if key not in cache:
         with PeakRSS() as seen:
             cache[key] = (*_probe(cfg, facts, levers), seen)
-        # The probe's models sit in reference cycles (adapters, hooks): only the cycle collector frees them, and until
-        # its next full pass they stayed alive through the run's load and steps (1B-dims LoRA preset, XA: 2.83 GiB
-        # RSS after the check, 0.52 GiB after a collection). Then what they freed goes back to the system (glibc's
-        # heaps keep it otherwise: 50M Qwen2, Z3: 47-90 MiB).
+        # the probe's models sit in reference cycles (1B preset: 2.83 GiB alive after the check until the collector's
+        # next full pass, 0.52 after one); what they freed then goes back to the system (else glibc's heaps keep it)
         gc.collect()
         trim_heap()
     probe, step_temp, state_bytes, seen = cache[key]
@@ -343,7 +353,7 @@ def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: i
         # int8: the base is quantized after it is read, so its int8 copy adds to what loading holds (1B-dims folder,
         # Z3: 2.49 GB of the folder's file pages + 3.0 GB anonymous at the peak, while quantizing)
         + (facts.frozen if levers.base_int8 else 0), export_bytes=export_bytes(cfg, facts, levers),
-        check=seen.peak if process_bytes != 0 else 0)
+        check=seen.peak if process_bytes != 0 else 0, keeps_freed=keeps_freed_memory(cfg))
 
 
 def frozen_bytes(facts: RunFacts, levers: Levers) -> int:

@@ -109,3 +109,14 @@ def lever_sets(configured: Levers, full_fine_tuning: bool) -> list[Levers]:
         micro //= 2
         out.append(replace(current, micro_batch=micro))
     return out
+
+
+def keeps_freed_memory(cfg: DictConfig) -> bool:
+    """Whether glibc will keep the run's freed memory for reuse: ``KeepFreedMemory`` configured, or added by
+    ``scripts/train.py`` to a Hugging Face model's run whose callbacks name neither it nor ``ReturnFreedMemory``
+    (:func:`lit_speed.run.runner.build`); only where the C library is glibc (elsewhere the callback does nothing)."""
+    from lit_speed.memory.allocator import glibc
+
+    facts = config_facts(cfg)
+    keep, give_back = facts.callback_keys("KeepFreedMemory"), facts.callback_keys("ReturnFreedMemory")
+    return glibc() is not None and bool(keep or (facts.hf_model and not give_back))
