@@ -101,7 +101,7 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
             fits = peak <= budget and (gpu_budget is None or gpu_part["gpu_step"] <= gpu_budget)
         else:
             peak = estimate.peak
-            fits = estimate.needed_peak <= budget  # what glibc keeps is handed back when memory runs short
+            fits = peak <= budget
         first_fit = first_fit if first_fit is not None or not fits else (i, fix)
         shown = [estimate.weights, estimate.optimizer, max(estimate.step, estimate.optimizer_step), estimate.load,
                  estimate.export, estimate.check, peak] + ([gpu_part["gpu_step"]] if gpu else [])
@@ -114,13 +114,10 @@ def plan_hf_run(cfg, budget: int | None, json_path: Path | None = None) -> int:
     Console(soft_wrap=True).print(table)
     for line in commands:  # plain print: brackets must not be read as rich markup
         print(line)
-    if not gpu and fit_levers.keeps_freed_memory(cfg):
-        from lit_speed.memory.rss_estimate import KEEP_SLACK
-
-        print(f"peak RSS: glibc keeps freed memory in this run (keep_freed_memory, a Hugging Face run's default): the "
-              f"tensors' peak x{KEEP_SLACK} (measured x1.42-1.76 at 0.5B-1B); 'fits' judges the run without it, "
-              "since KeepFreedMemory hands it back when memory runs short. callbacks=[...,return_freed_memory] "
-              "returns freed memory at once (slower steps)")
+    if not gpu and rows and rows[0]["kept_peak"] > rows[0]["peak"]:
+        print(f"#0 keeps freed memory (keep_freed_memory, a Hugging Face run's default): glibc's heaps may hold up to "
+              f"{rows[0]['kept_peak'] / 2**30:.2f} GiB, handed back when memory runs short; not predicted, not judged. "
+              "callbacks=[...,return_freed_memory] returns freed memory at once (slower steps)")
     if gpu and device is None:
         print("GPU column: the step of one process on one GPU (not judged for DDP or ZeRO: their state is per rank)")
     if first_fit is None:

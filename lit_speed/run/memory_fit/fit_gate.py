@@ -91,15 +91,15 @@ def _host_memory(process: int, budget: int) -> JudgedMemory:
 
     def refusal(estimate: Any, fix: tuple[str, int] | None) -> str:
         if fix is None:
-            return (f"this run needs about {gib(estimate.needed_peak)} of RAM at its peak, {gib(budget)} is there, "
+            return (f"this run needs about {gib(estimate.peak)} of RAM at its peak, {gib(budget)} is there, "
                     f"and no lever set fits ({_ALL_LEVERS}). Fix: a smaller model, data.block_size, or a machine with "
                     "more memory")
-        return (f"this run needs about {gib(estimate.needed_peak)} of RAM at its peak (lit_speed.memory.rss_estimate: "
+        return (f"this run needs about {gib(estimate.peak)} of RAM at its peak (lit_speed.memory.rss_estimate: "
                 f"weights {gib(estimate.weights)}, optimizer {gib(estimate.optimizer)}, step "
                 f"{gib(max(estimate.step, estimate.optimizer_step))}), {gib(budget)} is there. Fix: {fix[0]} "
                 f"(predicted {gib(fix[1])}); scripts/plan.py shows every option")
 
-    return JudgedMemory(budget, process, lambda estimate: estimate.needed_peak,
+    return JudgedMemory(budget, process, lambda estimate: estimate.peak,
                         "the memory estimate could not run ({}); the run goes on unchecked. scripts/plan.py shows the "
                         "estimate's parts", refusal)
 
