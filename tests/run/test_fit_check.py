@@ -225,23 +225,52 @@ def test_on_a_gpu_the_predicted_step_is_within_15_percent_of_the_measured_peak(t
     assert 0.85 <= result["predicted"] / result["measured"] <= 1.15, json.dumps(result)
 
 
+@pytest.fixture(scope="module")
+def qwen2_50m(tmp_path_factory):
+    return _qwen2_50m(tmp_path_factory.mktemp("qwen2_50m"))
+
+
+#: The memory levers, one at a time, on the 52M model (issue 50 item 3), freed memory returned to the system: the
+#: chunked loss is on in every row (the model option's default) except ``plain_loss``. ``keep_freed`` is a Hugging
+#: Face run's default: what glibc keeps is not predicted (x1.22-1.86 of the tensors, varying run to run), only bounded.
+#: ``lora_int8_base`` is predicted at x0.83 here (x1.01 for the 1B preset, whose peak is the fit check's probe): open.
+LEVER_ROWS = {
+    "full": ["peft=none"],
+    "lora": ["peft=lora"],
+    "lora_bf16_base": ["peft=lora", "peft.base_dtype=bf16"],
+    "lora_int8_base": ["peft=lora", "peft.base_dtype=int8"],
+    "plain_loss": ["peft=none", "model.loss_chunk_mib=null"],
+    "checkpointing": ["peft=none", "callbacks=[activation_checkpointing,return_freed_memory]"],
+    "states_8bit": ["peft=none", "optimizer=adamw8bit"],
+    "keep_freed": ["peft=lora", "callbacks=[keep_freed_memory]"],
+}
+
+
 @pytest.mark.slow
-def test_the_predicted_peak_rss_is_within_15_percent_of_the_measured_one_on_a_50m_parameter_model(tmp_path, texts):
+@pytest.mark.parametrize("row", [pytest.param(row, marks=pytest.mark.xfail(
+    strict=True, reason="int8 base at 52M: predicted x0.83 of the measured peak RSS (issue 50 item 3, not closed)"))
+    if row == "lora_int8_base" else row for row in LEVER_ROWS])
+def test_the_predicted_peak_rss_is_within_15_percent_of_the_measured_one_on_a_50m_parameter_model(tmp_path, texts,
+                                                                                                  qwen2_50m, row):
     # the estimate as the runner makes it (in the training process, before the weights load) against that process's
-    # peak RSS: full fine-tuning in float32 with AdamW, the peak of a real-size run's kind (weights, gradients, states)
-    folder = _qwen2_50m(tmp_path / "qwen2_50m")
-    args = ["model=hf_causal_lm", "data=text_folder", f"model.pretrained={folder}", f"data.root={texts}",
+    # peak RSS, for each memory lever
+    lever = LEVER_ROWS[row]
+    callbacks = [] if any(a.startswith("callbacks=") for a in lever) else ["callbacks=[return_freed_memory]"]
+    args = ["model=hf_causal_lm", "data=text_folder", f"model.pretrained={qwen2_50m}", f"data.root={texts}",
             "data.block_size=256", "data.batch_size=4", "data.val_every=3", "trainer.max_steps=3", "logger=none",
-            "callbacks=none", "validate=false", "peft=none", "trainer.enable_progress_bar=false",
+            *callbacks, "validate=false", "trainer.enable_progress_bar=false", *lever,
             "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0", f"hydra.run.dir={tmp_path / 'run'}",
             f"paths.output_dir={tmp_path / 'run'}"]
     done = subprocess.run([sys.executable, "-c", ACCURACY_SCRIPT, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["bound"] >= result["measured"], json.dumps(result)  # the config-only bound that skips the probe
+    if row == "keep_freed":  # what glibc keeps comes on top of the prediction (its bound, kept_peak: the benchmark's)
+        assert result["parts"]["peak"] <= result["measured"], json.dumps(result)
+        return
     ratio = result["predicted"] / result["measured"]
     assert 0.85 <= ratio <= 1.15, json.dumps(result)
-    assert result["bound"] >= result["measured"], json.dumps(result)  # the config-only bound that skips the probe
 
 
 @pytest.mark.slow
@@ -368,8 +397,8 @@ def test_the_estimate_of_this_process_counts_its_probes_own_peak(make_cfg, folde
 
 
 def test_glibc_keeping_freed_memory_is_bounded_and_left_out_of_the_peak(make_cfg, folder, texts, monkeypatch):
-    """KeepFreedMemory (a Hugging Face run's default) keeps freed blocks in glibc's heaps: x1.22-1.76 of the tensors'
-    peak, varying from run to run (bench_plan_accuracy.py). Not predicted: an upper bound beside the peak, which the
+    """KeepFreedMemory (a Hugging Face run's default) keeps freed blocks in glibc's heaps: x1.22-1.86 of the tensors'
+    peak, varying from run to run (bench_plan_accuracy.py, the 52M rows). Not predicted: an upper bound beside the peak, which the
     fit check judges (the callback hands that memory back when available memory runs short)."""
     from lit_speed.memory.rss_estimate import KEEP_SLACK
 
