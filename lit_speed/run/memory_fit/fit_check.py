@@ -27,7 +27,14 @@ from torch import nn
 
 from lit_speed.optim.state_cost import TORCH_STATES
 from lit_speed.run.config_targets import CONFIG_DIR
-from lit_speed.run.memory_fit.fit_levers import Levers, configured_levers, keeps_freed_memory, loss_chunk_mib
+from lit_speed.run.memory_fit.fit_levers import (
+    Levers,
+    base_compute,
+    batch_positions,
+    configured_levers,
+    keeps_freed_memory,
+    loss_chunk_mib,
+)
 from lit_speed.strategies.config_facts import config_facts
 
 
@@ -56,8 +63,9 @@ def _adapter_args(cfg: DictConfig, lora: bool) -> dict[str, Any] | None:
             else peft[k] for k in _ADAPTER_KEYS if k in peft}
 
 
-def _prepare(hf: nn.Module, adapters: dict[str, Any] | None, levers: Levers) -> nn.Module:
-    """``hf`` inside a holder named as HFCausalLM names it, with the run's adapters and memory levers."""
+def _prepare(hf: nn.Module, adapters: dict[str, Any] | None, levers: Levers, compute: str = "fp32") -> nn.Module:
+    """``hf`` in a holder named as HFCausalLM names it, with the run's adapters and levers (a base computing in
+    ``compute``)."""
     from lit_speed.finetune.adapters import add_adapters
     from lit_speed.finetune.frozen_base import lower_frozen_base
     from lit_speed.memory.activation_checkpointing import checkpoint_modules
@@ -68,7 +76,7 @@ def _prepare(hf: nn.Module, adapters: dict[str, Any] | None, levers: Levers) -> 
     if adapters is not None:
         add_adapters(holder, **adapters)
     if (levers.base_bf16 or levers.base_int8) and hf.device.type != "meta":
-        lower_frozen_base(holder, torch.int8 if levers.base_int8 else torch.bfloat16, compute="fp32")
+        lower_frozen_base(holder, torch.int8 if levers.base_int8 else torch.bfloat16, compute=compute)
     if levers.chunked_loss and hf.device.type != "meta":
         chunk_hf_loss(hf, check=False)
     if levers.checkpointing and hf.device.type != "meta":
@@ -143,18 +151,6 @@ def data_window(data: DictConfig) -> int:
     """Positions per sequence the data's batches hold at most: ``block_size`` (text windows) or ``max_length``
     (``data=sft``: an example, or a packed row of several, is at most that long)."""
     return int(data.get("block_size") or data.get("max_length"))
-
-
-def batch_positions(cfg: DictConfig, block: int) -> int:
-    """Positions of the run's largest micro-batch: the DataModule's own answer where its class has one
-    (``largest_batch_positions``: SFT's packed rows, read from the tokenized examples, which the run's data then
-    finds cached), else ``batch_size x`` the window."""
-    data_class = config_facts(cfg).data_class
-    if data_class is not None and callable(getattr(data_class, "largest_batch_positions", None)):
-        import hydra.utils
-
-        return int(hydra.utils.instantiate(cfg.data, _convert_="all").largest_batch_positions())
-    return int(cfg.data.batch_size) * block
 
 
 #: The probe's longest window: one sequence of the run's block, at most this long (its cost grows with it).
@@ -251,6 +247,7 @@ def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool 
     from lit_speed.precision.modes import spec
 
     adapters = _adapter_args(cfg, levers.lora)
+    compute = base_compute(cfg)
     models: dict[tuple[int, int], nn.Module] = {}
 
     def build(layers: int, vocab: int) -> nn.Module:
@@ -260,7 +257,7 @@ def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool 
             for parameter in small.parameters():
                 parameter.fill_(0.02)
         torch.manual_seed(0)
-        prepared = _prepare(small, adapters, levers)
+        prepared = _prepare(small, adapters, levers, compute)
         if layers == 1:  # kept for the optimizer's measurement; the 2-layer copy is freed after its probe
             models[(layers, vocab)] = prepared
         return prepared
