@@ -285,14 +285,26 @@ def _largest_linear(model: nn.Module) -> tuple[int, int] | None:
 PROBE_WEIGHT_ELEMENTS = 1 << 24
 
 
+def untimed_base_compute(requested: str, autocast_dtype: torch.dtype | None) -> tuple[str, str] | None:
+    """``(compute, reason)`` of ``base_compute=requested`` where nothing needs timing: a named one, or ``bf16`` under
+    an autocast (its matmuls run in low precision anyway); ``None``: ``auto`` without autocast, which
+    :func:`choose_base_compute` times."""
+    if requested != "auto":
+        return requested, "requested"
+    if autocast_dtype is not None:
+        return "bf16", f"autocast runs the matmuls in {autocast_dtype}"
+    return None
+
+
 def choose_base_compute(model: nn.Module, device: torch.device | str = "cpu", tokens: int = 256,
                         measure: Callable[..., Decision] = measured_choice) -> Decision:
     """``fp32`` or ``bf16`` for the lowered base of ``model``, measured on this machine where it matters.
 
     Without native bf16 kernels (a CPU without AVX512-BF16/AMX, a GPU without bf16) bf16 is not timed (emulated
     bf16 matmuls are 50-500x slower). Otherwise one forward and input-gradient matmul of the largest lowered layer
-    (at most :data:`PROBE_WEIGHT_ELEMENTS` of it) with ``tokens`` rows is timed both ways (``measure``: :func:`lit_speed.tuning.measured_choice`, cached per
-    machine and shape); ``fp32`` is kept unless bf16 is faster by the usual margin.
+    (at most :data:`PROBE_WEIGHT_ELEMENTS` of it) with ``tokens`` rows is timed both ways (``measure``:
+    :func:`lit_speed.tuning.measured_choice`, cached per machine and shape); ``fp32`` is kept unless bf16 is faster by
+    the usual margin.
     """
     device = torch.device(device)
     name = "peft.base_compute"

@@ -33,6 +33,7 @@ from lit_speed.finetune.frozen_base import (
     choose_base_compute,
     lower_frozen_base,
     set_base_compute,
+    untimed_base_compute,
     upcast_unlowered,
 )
 from lit_speed.memory.model_state import ParameterCounts, parameter_counts
@@ -202,11 +203,9 @@ class PEFTAdapters(Callback):
 
     def _decide_base_compute(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.chosen_compute is None:  # not restored from a checkpoint
-            mixed = precision_spec(str(trainer.precision)).autocast_dtype
-            if self.base_compute != "auto":
-                self.chosen_compute, self.compute_reason = self.base_compute, "requested"
-            elif mixed is not None:
-                self.chosen_compute, self.compute_reason = "bf16", f"autocast runs the matmuls in {mixed}"
+            untimed = untimed_base_compute(self.base_compute, precision_spec(str(trainer.precision)).autocast_dtype)
+            if untimed is not None:
+                self.chosen_compute, self.compute_reason = untimed
             else:
                 decision = on_rank_zero(lambda: choose_base_compute(pl_module, trainer.strategy.root_device), trainer)
                 self.chosen_compute, self.compute_reason = decision.chosen, decision.reason

@@ -207,9 +207,12 @@ class PeakRSS:
         self.interval_s, self.peak = interval_s, 0
         self._stop: Any = None
 
-    def _read(self, fd: int, page: int) -> None:
+    def _sample(self) -> None:
+        self.peak = max(self.peak, int(os.pread(self._fd, 64, 0).split()[1]) * self._page)
+
+    def _read(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, int(os.pread(fd, 64, 0).split()[1]) * page)
+            self._sample()
 
     def __enter__(self) -> "PeakRSS":
         import threading
@@ -219,10 +222,10 @@ class PeakRSS:
         except OSError:
             self._fd = None
             return self
-        page = os.sysconf("SC_PAGE_SIZE")
-        self.peak = int(os.pread(self._fd, 64, 0).split()[1]) * page
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._sample()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(self._fd, page), daemon=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
         return self
 
@@ -231,7 +234,7 @@ class PeakRSS:
             return
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, int(os.pread(self._fd, 64, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+        self._sample()
         os.close(self._fd)
 
 

@@ -123,21 +123,23 @@ def keeps_freed_memory(cfg: DictConfig) -> bool:
 
 
 def base_compute(cfg: DictConfig) -> str:
-    """How a bf16/int8 base computes in this run, as ``PEFTAdapters`` decides it: ``peft.base_compute`` when it names
-    one; ``auto`` (or a lever set that adds the base to a run without it): ``bf16`` under autocast or on a CPU with
-    native bf16 kernels (where auto's timing picks it: 0.25 against 1.74 s a call at 1B dims on XA), else ``fp32``.
-    The two save different tensors for backward (52M Qwen2, LoRA + bf16 base computed in bf16: x0.87 of its peak RSS
-    when the probe computed in fp32)."""
+    """How a bf16/int8 base computes in this run, as ``PEFTAdapters`` decides it
+    (:func:`~lit_speed.finetune.frozen_base.untimed_base_compute`: ``peft.base_compute`` when it names one, ``bf16``
+    under autocast); where the run would time it (``auto``, or a lever set that adds the base to a run without it):
+    ``bf16`` on a CPU with native bf16 kernels (where the timing picks it: 0.25 against 1.74 s a call at 1B dims on
+    XA), else ``fp32``. The two save different tensors for backward (52M Qwen2, LoRA + bf16 base computed in bf16:
+    x0.87 of its peak RSS when the probe computed in fp32)."""
     from lit_speed.compat.torch import cpu_has_native_bf16
+    from lit_speed.finetune.frozen_base import untimed_base_compute
     from lit_speed.precision.modes import TABLE, spec
 
     facts = config_facts(cfg)
-    chosen = str(facts.adapters.get("base_compute", "auto")) if facts.adapters is not None else "auto"
-    if chosen != "auto":
-        return chosen
+    requested = str(facts.adapters.get("base_compute", "auto")) if facts.adapters is not None else "auto"
     mode = facts.precision_mode
-    mixed = mode in TABLE and spec(mode).autocast_dtype is not None
-    return "bf16" if mixed or cpu_has_native_bf16() else "fp32"
+    untimed = untimed_base_compute(requested, spec(mode).autocast_dtype if mode in TABLE else None)
+    if untimed is not None:
+        return untimed[0]
+    return "bf16" if cpu_has_native_bf16() else "fp32"
 
 
 def batch_positions(cfg: DictConfig, block: int) -> int:

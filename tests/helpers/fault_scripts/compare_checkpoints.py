@@ -70,8 +70,9 @@ class FloatSumsDiffer(AssertionError):
     """
 
 
-def assert_bitwise_equal(reference: str | Path, other: str | Path, what: str = "the uninterrupted run") -> None:
-    """Every weight and optimizer tensor of checkpoint ``other`` equals ``reference``'s, bit for bit.
+def assert_bitwise_equal(reference: str | Path, other: str | Path, what: str = "the uninterrupted run") -> list[str]:
+    """Every weight and optimizer tensor of checkpoint ``other`` equals ``reference``'s, bit for bit. Returns the
+    names of the tensors compared.
 
     Raises:
         FloatSumsDiffer: Some differ, each by at most :data:`ROUNDING_SHARE` of its largest value.
@@ -82,7 +83,7 @@ def assert_bitwise_equal(reference: str | Path, other: str | Path, what: str = "
         raise AssertionError(f"no weight or optimizer tensor in {other} to compare")
     different = {k: d for k, (d, _) in diffs.items() if d != 0.0}
     if not different:
-        return
+        return list(diffs)
     message = f"{len(different)}/{len(diffs)} tensors differ from {what}: {different}"
     if all(d <= ROUNDING_SHARE * diffs[k][1] for k, d in different.items()):
         raise FloatSumsDiffer(f"{message} (each within {ROUNDING_SHARE:g} of the tensor's largest value)")
