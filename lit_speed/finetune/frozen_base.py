@@ -30,7 +30,9 @@ optimizer's state stay float32.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -203,7 +205,53 @@ def lower_frozen_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16, com
         if id(weight) in scales:  # the contract for code that reads .weight itself (the chunked LM loss)
             module.held_weight_scale = scales[id(weight)]
         names.append(name)
+    if lowered:
+        _copy_out_of_file_maps(model)
     return LoweredBase(len(lowered), before, after, names)
+
+
+def _file_mapped_ranges() -> list[tuple[int, int]]:
+    """Address ranges of this process mapped from files (``/proc/self/maps``; empty where there is none)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[4] != "0" and not fields[5].startswith("["):
+            start, end = fields[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return sorted(ranges)
+
+
+def _copy_out_of_file_maps(model: nn.Module) -> int:
+    """Copy the tensors of ``model`` that still point into a memory-mapped file (returns how many).
+
+    transformers reads a safetensors file whose dtype is the one asked for without a copy: every tensor is a view of
+    one mapping of the file, and the mapping stays as long as any of them lives. Lowering the base replaces the large
+    weights, but the norms and biases it leaves would keep the whole float32 file mapped, its read pages counted in
+    the RSS (52M Qwen2, LoRA + bf16 base: 0.81 GiB at the first step against 0.71 with the float32 base it replaced).
+    They are small: copied, the mapping goes."""
+    ranges = _file_mapped_ranges()
+    if not ranges:
+        return 0
+    starts = [start for start, _ in ranges]
+
+    def mapped(tensor: torch.Tensor) -> bool:
+        at = bisect.bisect_right(starts, tensor.data_ptr()) - 1
+        return tensor.device.type == "cpu" and tensor.numel() > 0 and at >= 0 and tensor.data_ptr() < ranges[at][1]
+
+    copied = 0
+    for parameter in model.parameters():  # each shared (tied) Parameter once
+        if mapped(parameter):
+            parameter.data, copied = parameter.data.clone(), copied + 1
+    for module in model.modules():
+        for key, buffer in list(module.named_buffers(recurse=False)):
+            if mapped(buffer):
+                setattr(module, key, buffer.clone())  # nn.Module keeps a registered buffer's name a buffer
+                copied += 1
+    return copied
 
 
 def set_base_compute(model: nn.Module, compute: str) -> int:

@@ -32,7 +32,7 @@ from lit_speed.compat.torch import tree_map
 from lit_speed.memory.activation_checkpointing import checkpoint_modules, restore_modules
 from lit_speed.memory.memory_tracker import LiveTensorTracker, tensor_bytes
 from lit_speed.memory.model_state import STRATEGIES, model_state_bytes, parameter_counts
-from lit_speed.precision.modes import BASELINE, PLAN_CANDIDATES, TABLE, spec
+from lit_speed.precision.modes import BASELINE, PLAN_CANDIDATES, TABLE, autocast_context, spec
 
 # Assumed (not measured here) per-process speed factors of DeepSpeed options relative to plain training.
 STRATEGY_SPEED = {"auto": 1.0, "ddp": 1.0, "zero1": 1.0, "zero2": 0.95, "zero2_offload": 0.7, "zero3": 0.8,
@@ -105,8 +105,7 @@ def default_step(model: nn.Module, batch: Any) -> torch.Tensor:
 
 def _precision_context(precision: str, device_type: str) -> contextlib.AbstractContextManager:
     """Autocast as the mode runs it (GuardedPrecision: 16-mixed is fp16 autocast on CPU too)."""
-    dtype = spec(precision).autocast_dtype
-    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    return autocast_context(device_type, spec(precision).autocast_dtype)
 
 
 def _linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

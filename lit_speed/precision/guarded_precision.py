@@ -253,7 +253,7 @@ class GuardedPrecision(GuardReport, Precision):
         dtype = self._spec.autocast_dtype
         device_type = self.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype is not None:
-            context = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+            context = modes.autocast_context(device_type, dtype)
         elif self._cast_dtype is not None:
             context = default_dtype(self._cast_dtype)
         else:

@@ -119,8 +119,7 @@ class _ModeRun:
         params = list(self.masters.parameters()) if self.masters is not None else list(self.model.parameters())
         self.opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
         autocast = spec.autocast_dtype
-        self.context = (lambda: torch.autocast(self.device_type, dtype=autocast, cache_enabled=False)) \
-            if autocast is not None else nullcontext
+        self.context = lambda: mode_table.autocast_context(self.device_type, autocast)
         self.loss_fn = loss_fn
         # a bf16 module trains on bf16 inputs (GuardedPrecision.convert_input casts them there too)
         module_dtype = spec.module_dtype

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, stop_signal_received, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
-from lit_speed.memory.allocator import KeepFreedMemory, ReturnFreedMemory
+from lit_speed.memory.allocator import KeepFreedMemory
 from lit_speed.monitoring.step_progress_bar import StepProgressBar
 from lit_speed.reporting.fixed_validation import process_start_time
 from lit_speed.run.config_error import RunStopped
@@ -28,6 +28,7 @@ from lit_speed.run.config_rules import check_config
 from lit_speed.run.config_targets import model_takes_optimizer
 from lit_speed.run.console import quiet_upstream_notices
 from lit_speed.run.memory_fit.fit_gate import check_fits_memory
+from lit_speed.run.memory_fit.fit_levers import adds_keep_freed_memory
 from lit_speed.run.model_checks import check_activation_memory, check_tokens_fit_model
 from lit_speed.run.monitor import configured_monitor
 from lit_speed.run.plan_check import RunPlanCheck
@@ -49,13 +50,15 @@ from lit_speed.tables import format_rate, print_table
 log = logging.getLogger(__name__)
 
 
-def _instantiate_group(node: DictConfig | None) -> list[Any]:
-    """A group node is one ``_target_`` object, a dict of them, or empty."""
+def _instantiate_group(node: DictConfig | None, made: dict[str, Any] | None = None) -> list[Any]:
+    """A group node is one ``_target_`` object, a dict of them, or empty; ``made``: keys instantiated already."""
     if node is None:
         return []
     if "_target_" in node:
         return [hydra.utils.instantiate(node)]
-    return [hydra.utils.instantiate(v) for v in node.values() if isinstance(v, DictConfig) and "_target_" in v]
+    made = made or {}
+    return [made[k] if k in made else hydra.utils.instantiate(v) for k, v in node.items()
+            if isinstance(v, DictConfig) and "_target_" in v]
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
@@ -74,6 +77,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     # a model that takes no `optimizer` argument, or whose config sets its own, builds its own optimizer
     takes_optimizer = model_takes_optimizer(cfg.model)
     optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if takes_optimizer else None
+    # in force before the weights load: what loading and lowering the base free goes back too
+    pinned = {key: hydra.utils.instantiate(cfg.callbacks[key])
+              for key in config_facts(cfg).callback_keys("ReturnFreedMemory")}
+    for callback in pinned.values():
+        callback.apply()
     loading = time.perf_counter()
     model: pl.LightningModule = hydra.utils.instantiate(cfg.model, **({"optimizer": optimizer} if takes_optimizer
                                                                        else {}))
@@ -102,15 +110,13 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
     # init (weights) before peft (adapters on the loaded base), both before every other callback
     callbacks = [*_instantiate_group(cfg.get("init")), *_instantiate_group(cfg.get("peft")),
-                 *_instantiate_group(cfg.get("callbacks")), *_instantiate_group(cfg.get("accumulation"))]
+                 *_instantiate_group(cfg.get("callbacks"), pinned), *_instantiate_group(cfg.get("accumulation"))]
     preparing = time.perf_counter()
     for part in callbacks:  # before the table and the optimizer: the table shows the model that trains
         if isinstance(part, ModelPreparer):
             part.prepare_model(model)
     phases["model_prepare"] = time.perf_counter() - preparing
-    if facts.hf_model and not any(isinstance(cb, (KeepFreedMemory, ReturnFreedMemory)) for cb in callbacks):
-        # a Hugging Face model's step frees blocks above glibc's 32 MiB mmap ceiling every step: kept for the next
-        # step unless the config says where freed memory goes (handed back when available memory runs short)
+    if adds_keep_freed_memory(cfg):  # kept for the next step (handed back when available memory runs short)
         callbacks.append(KeepFreedMemory(by_default=True))
     safety_net = None
     if not any(isinstance(cb, FaultTolerance) for cb in callbacks):

@@ -267,3 +267,31 @@ def test_compiled_blocks_share_one_graph_as_with_a_float32_base(dtype):
         return counters["stats"]["unique_graphs"]
 
     assert graphs(lower=True) == graphs(lower=False) < 6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_lowering_a_base_read_without_a_copy_lets_go_of_the_files_mapping(tmp_path, dtype):
+    # transformers reads a float32 safetensors file into a float32 model as views of one mapping of the file; lowering
+    # replaced the large weights, and the norms and biases it left kept the whole file mapped (its pages in the RSS)
+    from transformers import AutoModelForCausalLM
+
+    from lit_speed.finetune.frozen_base import _file_mapped_ranges
+    from tests.helpers.tiny_hf import save_tiny_causal_lm
+
+    folder = save_tiny_causal_lm(tmp_path / "qwen2", arch="qwen2", tokenizer=False)
+    weights = str((folder / "model.safetensors").resolve())
+
+    def file_is_mapped() -> bool:
+        return any(line.rstrip().endswith(weights) for line in open("/proc/self/maps"))
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if not file_is_mapped():
+        pytest.skip("this transformers copies what it reads: nothing of the file stays mapped to let go of")
+    model.requires_grad_(False)
+    norm = model.model.norm.weight.detach().clone()
+    lower_frozen_base(model, dtype)
+    ranges = _file_mapped_ranges()
+    inside = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+              if any(start <= t.data_ptr() < end for start, end in ranges)]
+    assert inside == [] and not file_is_mapped()
+    assert torch.equal(model.model.norm.weight, norm)  # copied, not changed

@@ -21,6 +21,17 @@ def args(tmp_path_factory):
             "validate=false", "trainer.enable_progress_bar=false"]
 
 
+@pytest.fixture(autouse=True)
+def pins(monkeypatch):
+    """Calls of ``return_freed_memory``, recorded instead of made: pinned, the threshold would stay so for the rest of
+    the test process (``build`` pins it before the weights load)."""
+    from lit_speed.memory import allocator
+
+    calls = []
+    monkeypatch.setattr(allocator, "return_freed_memory", lambda *a, **k: calls.append("pinned") or True)
+    return calls
+
+
 def _allocator_callbacks(parts: dict) -> list:
     return [cb for cb in parts["callbacks"] if isinstance(cb, (KeepFreedMemory, ReturnFreedMemory))]
 
@@ -44,3 +55,14 @@ def test_a_configured_allocator_callback_is_the_only_one(make_cfg, args, extra, 
 def test_the_plain_loss_and_a_run_of_another_model_get_neither_default(make_cfg, args):
     assert build(make_cfg(args + ["model.loss_chunk_mib=null"]))["model"].loss_chunk_bytes is None
     assert not _allocator_callbacks(build(make_cfg(["trainer.max_steps=1", "logger=none"])))
+
+
+def test_return_freed_memory_is_in_force_before_the_weights_load(make_cfg, args, monkeypatch, pins):
+    # what loading and lowering the base free goes back too (the callback's setup comes after both)
+    import transformers
+
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pins.append("loaded") or load(*a, **k))
+    (only,) = _allocator_callbacks(build(make_cfg(args + ["callbacks=[default,return_freed_memory]"])))
+    assert pins == ["pinned", "loaded"] and only.applied

@@ -244,7 +244,7 @@ def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool 
     from lit_speed.memory.model_state import parameter_counts
     from lit_speed.memory.planner import measure_optimizer
     from lit_speed.memory.rss_estimate import probe_scaled
-    from lit_speed.precision.modes import spec
+    from lit_speed.precision.modes import autocast_context, spec
 
     adapters = _adapter_args(cfg, levers.lora)
     compute = base_compute(cfg)
@@ -253,6 +253,7 @@ def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool 
     def build(layers: int, vocab: int) -> nn.Module:
         with _blank_weights():
             small = AutoModelForCausalLM.from_config(_small(facts.config, layers, vocab), dtype=torch.float32)
+        small.tie_weights()  # skipped with the initialisation: an untied copy has no summed gradient of the two uses
         with torch.no_grad():  # a constant: the probe measures bytes, and finite values keep every kernel's path
             for parameter in small.parameters():
                 parameter.fill_(0.02)
@@ -262,9 +263,7 @@ def _probe(cfg: DictConfig, facts: RunFacts, levers: Levers, skip_matmuls: bool 
             models[(layers, vocab)] = prepared
         return prepared
 
-    autocast_dtype = spec(facts.precision).autocast_dtype
-    autocast = functools.partial(torch.autocast, "cpu", dtype=autocast_dtype) if autocast_dtype else \
-        contextlib.nullcontext
+    autocast = functools.partial(autocast_context, "cpu", spec(facts.precision).autocast_dtype)
     probe = probe_scaled(build, lambda m, ids: m.model(input_ids=ids, labels=ids).loss, autocast,
                          tokens=probe_lengths(facts.config, facts.block), vocab=facts.vocab,
                          skip_matmuls=skip_matmuls)

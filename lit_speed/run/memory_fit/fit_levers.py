@@ -111,15 +111,21 @@ def lever_sets(configured: Levers, full_fine_tuning: bool) -> list[Levers]:
     return out
 
 
+def adds_keep_freed_memory(cfg: DictConfig) -> bool:
+    """Whether ``scripts/train.py`` adds ``KeepFreedMemory`` (:func:`lit_speed.run.runner.build`): a Hugging Face
+    model's run whose callbacks name neither it nor ``ReturnFreedMemory`` (its step frees blocks above glibc's 32 MiB
+    mmap ceiling every step)."""
+    facts = config_facts(cfg)
+    return facts.hf_model and not (facts.callback_keys("KeepFreedMemory") or facts.callback_keys("ReturnFreedMemory"))
+
+
 def keeps_freed_memory(cfg: DictConfig) -> bool:
-    """Whether glibc will keep the run's freed memory for reuse: ``KeepFreedMemory`` configured, or added by
-    ``scripts/train.py`` to a Hugging Face model's run whose callbacks name neither it nor ``ReturnFreedMemory``
-    (:func:`lit_speed.run.runner.build`); only where the C library is glibc (elsewhere the callback does nothing)."""
+    """Whether glibc will keep the run's freed memory for reuse: ``KeepFreedMemory`` configured, or added
+    (:func:`adds_keep_freed_memory`); only where the C library is glibc (elsewhere the callback does nothing)."""
     from lit_speed.memory.allocator import glibc
 
-    facts = config_facts(cfg)
-    keep, give_back = facts.callback_keys("KeepFreedMemory"), facts.callback_keys("ReturnFreedMemory")
-    return glibc() is not None and bool(keep or (facts.hf_model and not give_back))
+    keep = config_facts(cfg).callback_keys("KeepFreedMemory")
+    return glibc() is not None and bool(keep or adds_keep_freed_memory(cfg))
 
 
 def base_compute(cfg: DictConfig) -> str:
