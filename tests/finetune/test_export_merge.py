@@ -101,3 +101,25 @@ def test_a_non_finite_merge_is_refused_naming_the_adapter(dora):
     with pytest.raises(ValueError, match="NaNs detected in the merged weights. The adapter default"):
         for _ in merged_tensors(holder):
             pass
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("shard_share", [0.05, 0.3, 2.0])
+def test_the_export_peak_walked_from_shapes_bounds_what_writing_the_folder_holds(tmp_path, arch, shard_share):
+    # the planner's export term (scripts/plan.py, the fit check): walked on a meta-device copy, against the tensors
+    # write_hf_folder allocates at once with a bf16-held base (every merged tensor a float32 copy)
+    from lit_speed.finetune.export import export_peak_bytes, write_hf_folder
+    from lit_speed.memory.memory_tracker import LiveTensorTracker
+
+    holder = _holder(arch)
+    lower_frozen_base(holder, torch.bfloat16)
+    whole = 4 * sum(p.numel() for p in holder.model.parameters())
+    shard = int(whole * shard_share)
+    with torch.device("meta"):
+        on_meta = _holder(arch)
+    predicted = export_peak_bytes(on_meta.model, shard)
+    assert predicted == export_peak_bytes(holder.model, shard)
+    with LiveTensorTracker() as tracker:
+        write_hf_folder(holder.model, tmp_path / "hf", max_shard_bytes=shard)
+    # the float32 norms and biases are written as they are (no copy): the walk counts them, a few percent
+    assert 0.9 * predicted <= tracker.peak_bytes <= predicted

@@ -100,7 +100,7 @@ class RunFacts:
     file_dtype_bytes: int
     precision: str
     optimizer: Callable[..., torch.optim.Optimizer] | None
-    largest: int = 0     # elements of the largest parameter (the export writes it whole)
+    export_peak: int = 0  # bytes the export of the trained model holds at once (export.export_peak_bytes)
 
 
 def _text_config(config: Any) -> Any:
@@ -131,7 +131,9 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
     prepared = _prepare(hf, _adapter_args(cfg, levers.lora), levers)
     counts = parameter_counts(prepared)
     frozen, trainable = counts.frozen, counts.trainable
-    largest = max((p.numel() for p in prepared.parameters()), default=0)
+    from lit_speed.finetune.export import export_peak_bytes
+
+    export_peak = export_peak_bytes(prepared.model)
     files = glob.glob(str(folder / "*.safetensors")) + glob.glob(str(folder / "*.bin"))
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if cfg.get("optimizer") else None
@@ -144,7 +146,7 @@ def run_facts(cfg: DictConfig, folder: Path, levers: Levers) -> RunFacts:
     return RunFacts(config, int(text.num_hidden_layers), int(text.vocab_size),
                     batch_positions(cfg, block), block, frozen, trainable,
                     sum(os.path.getsize(f) for f in files), 2 if "16" in dtype else 4, str(precision), optimizer,
-                    largest)
+                    export_peak)
 
 
 def data_window(data: DictConfig) -> int:
@@ -288,18 +290,15 @@ def _blank_weights() -> contextlib.AbstractContextManager:
 
 
 def export_bytes(cfg: DictConfig, facts: RunFacts, levers: Levers) -> int:
-    """Float32 bytes alive at once while the trained model is written after fit (0 without an export): one shard of
-    :data:`~lit_speed.finetune.export.EXPORT_SHARD_BYTES` and the tensor being merged, at most the whole model.
-    LoRA's merged export unless ``peft.export=false``; full fine-tuning's (``peft=none``: ExportModel, ``auto`` writes
-    a Hugging Face model's folder, which these runs are) unless ``peft.export=false``."""
-    from lit_speed.finetune.export import EXPORT_SHARD_BYTES
-
+    """Bytes alive at once while the trained model is written after fit (0 without an export): the shard being
+    filled and the merged float32 tensor being added (:func:`~lit_speed.finetune.export.export_peak_bytes`, walked
+    on the meta-device model). LoRA's merged export unless ``peft.export=false``; full fine-tuning's (``peft=none``:
+    ExportModel, ``auto`` writes a Hugging Face model's folder, which these runs are) unless ``peft.export=false``."""
     facts_of_config = config_facts(cfg)
     owner = "adapters" if levers.lora else "model"  # the callback that exports with these levers
     if facts_of_config.exporter == owner and cfg.peft.get("export", True) is False:
         return 0
-    whole = FLOAT32_BYTES * (facts.frozen + facts.trainable)
-    return int(min(whole, EXPORT_SHARD_BYTES + FLOAT32_BYTES * facts.largest))
+    return facts.export_peak
 
 
 def estimate_run(cfg: DictConfig, levers: Levers | None = None, process_bytes: int | None = None,
