@@ -29,7 +29,9 @@ def _csv(text: str) -> list[str]:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-mib", type=float, default=None,
-                        help="device memory per process (MiB): RAM for a CPU run, the GPU's for a trainer=gpu run")
+                        help="memory per process (MiB): a Hugging Face folder's rows are the process's peak RSS; "
+                             "other models' rows are the step's tensors (a GPU's memory, or on a CPU the RAM beside "
+                             "what the process itself holds)")
     parser.add_argument("--micro-batches", type=_csv, default=None,
                         help="candidate sizes (default: the config's, 4, 8, 16, 32)")
     parser.add_argument("--precisions", type=_csv, default=None,
@@ -168,7 +170,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"Config error: {error}", file=sys.stderr)
         return 2
-    title = "configurations that fit" + (f" in {args.budget_mib:g} MiB" if budget else "") + ", fastest first"
+    title = "configurations that fit" + (f" in {args.budget_mib:g} MiB" if budget else "") + ", fastest first " \
+        "(peak MiB: the step's tensors per process, not the process's RSS)"
     table = Table(title=title, title_justify="left")
     columns = ("precision", "ckpt", "micro", "strategy", "peak MiB", "host MiB", "rel. speed")  # table_rows' cells
     for name in ("#", *columns):
