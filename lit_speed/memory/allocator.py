@@ -100,9 +100,8 @@ class ReturnFreedMemory(Callback):
 
     def apply(self) -> bool:
         """Pin the threshold now (once; ``setup`` calls it too). ``scripts/train.py`` calls it before the weights
-        load, so that what loading and preparing the model free goes back as well: a base lowered to bf16 frees its
-        float32 copy, which glibc's heaps kept before the threshold was pinned at ``setup`` (52M Qwen2, LoRA + bf16
-        base: 0.81 GiB at the first step against 0.71 with a float32 base)."""
+        load, so that what loading and preparing the model free (conversions of the read weights, a lowered base's
+        float32 copy) goes back under the same rule as the steps' tensors, not only what is freed after ``setup``."""
         if self.applied is None:
             self.applied = return_freed_memory(self.threshold_kib)
             if self.applied:
