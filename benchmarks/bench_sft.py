@@ -47,6 +47,15 @@ GENERATION_TEMPLATE = CHAT[MODEL][1].replace(
     "'assistant' %}{{- '<|im_start|>assistant\\n' }}{%- generation %}{{- message.content + '<|im_end|>' + '\\n' }}"
     "{%- endgeneration %}{%- endif %}")
 assert "generation" in GENERATION_TEMPLATE, "the folder's template changed: mark its responses again"
+#: the same for the Llama-3.2 folder: its response span is the trimmed content and <|eot_id|>
+LLAMA_TURN = ("{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + "
+              "'<|eot_id|>' }}")
+LLAMA_GENERATION_TEMPLATE = CHAT["llama-3.2-1b"][1].replace(
+    LLAMA_TURN, "{%- if message['role'] == 'assistant' %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}{%- else %}" + LLAMA_TURN
+    + "{%- endif %}")
+assert "generation" in LLAMA_GENERATION_TEMPLATE, "the folder's template changed: mark its responses again"
+GENERATION_TEMPLATES = {MODEL: GENERATION_TEMPLATE, "llama-3.2-1b": LLAMA_GENERATION_TEMPLATE}
 
 
 def ensure_trl() -> None:
@@ -207,10 +216,10 @@ def speed(args: argparse.Namespace) -> None:
     from real_size_peers import native_bf16
 
     ensure_trl()
-    model = build(MODEL)
+    model = build(args.model)
     data = data_files(WORK / "data")["messages"]
-    template = WORK / "qwen2_5_generation.jinja"
-    template.write_text(GENERATION_TEMPLATE)
+    template = WORK / f"{args.model}_generation.jinja"
+    template.write_text(GENERATION_TEMPLATES[args.model])
     bf16 = native_bf16()
     packed_rows = rows_per_batch(model, data, args)  # TRL's packing counts rows: the rows that hold --micro examples
     rows = []
@@ -257,9 +266,9 @@ def speed(args: argparse.Namespace) -> None:
     line += "; " + "; ".join(f"{n} vs TRL: tok/s x{v['tokens_per_s_vs_trl_fastest']}, RSS x{v['peak_rss_vs_trl_lowest']}"
                              f", launch-to-export x{v['launch_to_end_vs_trl_quickest']}" for n, v in ratios.items())
     picture(rows, RESULTS / f"sft_speed{args.tag}.png")
-    write_result(f"sft_speed{args.tag}", {"rows": rows, "ratios": ratios, "model": MODEL, "bf16": bf16,
+    write_result(f"sft_speed{args.tag}", {"rows": rows, "ratios": ratios, "model": args.model, "bf16": bf16,
                                           "settings": vars(args)},
-                 f"{MODEL} dims, LoRA r={args.r}, {args.steps} steps of {args.micro} items <= {args.max_length} tokens, "
+                 f"{args.model} dims, LoRA r={args.r}, {args.steps} steps of {args.micro} items <= {args.max_length} tokens, "
                  f"{'bf16 autocast' if bf16 else 'fp32'}, no validation, beside TRL SFTTrainer: {line}")
 
 
@@ -299,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--r", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--model", choices=sorted(GENERATION_TEMPLATES), default=MODEL,
+                        help="speed: the model folder's dimensions (benchmarks/model_folders.py)")
     parser.add_argument("--picture", type=Path, help="only draw the PNG of a speed result JSON (results/*.json)")
     args = parser.parse_args(argv)
     if args.picture:
