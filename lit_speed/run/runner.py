@@ -77,9 +77,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     # a model that takes no `optimizer` argument, or whose config sets its own, builds its own optimizer
     takes_optimizer = model_takes_optimizer(cfg.model)
     optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if takes_optimizer else None
+    facts = config_facts(cfg)
     # in force before the weights load: what loading and lowering the base free goes back too
-    pinned = {key: hydra.utils.instantiate(cfg.callbacks[key])
-              for key in config_facts(cfg).callback_keys("ReturnFreedMemory")}
+    pinned = {key: hydra.utils.instantiate(cfg.callbacks[key]) for key in facts.callback_keys("ReturnFreedMemory")}
     for callback in pinned.values():
         callback.apply()
     loading = time.perf_counter()
@@ -97,7 +97,6 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
     trainer_kwargs: dict[str, Any] = {}
     plugins: list[Any] = []
-    facts = config_facts(cfg)
     if facts.precision_plugin:
         plugins.append(hydra.utils.instantiate(cfg.precision))
     elif facts.precision_mode is not None:
@@ -116,7 +115,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         if isinstance(part, ModelPreparer):
             part.prepare_model(model)
     phases["model_prepare"] = time.perf_counter() - preparing
-    if adds_keep_freed_memory(cfg):  # kept for the next step (handed back when available memory runs short)
+    if adds_keep_freed_memory(facts):  # kept for the next step (handed back when available memory runs short)
         callbacks.append(KeepFreedMemory(by_default=True))
     safety_net = None
     if not any(isinstance(cb, FaultTolerance) for cb in callbacks):

@@ -111,11 +111,10 @@ def lever_sets(configured: Levers, full_fine_tuning: bool) -> list[Levers]:
     return out
 
 
-def adds_keep_freed_memory(cfg: DictConfig) -> bool:
+def adds_keep_freed_memory(facts: ConfigFacts) -> bool:
     """Whether ``scripts/train.py`` adds ``KeepFreedMemory`` (:func:`lit_speed.run.runner.build`): a Hugging Face
     model's run whose callbacks name neither it nor ``ReturnFreedMemory`` (its step frees blocks above glibc's 32 MiB
     mmap ceiling every step)."""
-    facts = config_facts(cfg)
     return facts.hf_model and not (facts.callback_keys("KeepFreedMemory") or facts.callback_keys("ReturnFreedMemory"))
 
 
@@ -124,8 +123,8 @@ def keeps_freed_memory(cfg: DictConfig) -> bool:
     (:func:`adds_keep_freed_memory`); only where the C library is glibc (elsewhere the callback does nothing)."""
     from lit_speed.memory.allocator import glibc
 
-    keep = config_facts(cfg).callback_keys("KeepFreedMemory")
-    return glibc() is not None and bool(keep or adds_keep_freed_memory(cfg))
+    facts = config_facts(cfg)
+    return glibc() is not None and bool(facts.callback_keys("KeepFreedMemory") or adds_keep_freed_memory(facts))
 
 
 def base_compute(cfg: DictConfig) -> str:
@@ -134,7 +133,8 @@ def base_compute(cfg: DictConfig) -> str:
     under autocast); where the run would time it (``auto``, or a lever set that adds the base to a run without it):
     ``bf16`` on a CPU with native bf16 kernels (where the timing picks it: 0.25 against 1.74 s a call at 1B dims on
     XA), else ``fp32``. The two save different tensors for backward (52M Qwen2, LoRA + bf16 base computed in bf16:
-    x0.87 of its peak RSS when the probe computed in fp32)."""
+    the estimate x0.869 -> x0.883 of the peak RSS once the probe computed as the run; most of the rest of that gap
+    was the float32 file the base was read from, kept mapped: ``frozen_base._copy_out_of_file_maps``)."""
     from lit_speed.compat.torch import cpu_has_native_bf16
     from lit_speed.finetune.frozen_base import untimed_base_compute
     from lit_speed.precision.modes import TABLE, spec
