@@ -187,7 +187,8 @@ def test_killed_run_resumes_bitwise_like_the_uninterrupted_run(tmp_path: Path, a
     if term_batch is not None:
         assert "interrupted at step" in stopped.stdout + stopped.stderr, explain(stopped)
 
-    jobs = [(args + ["ckpt_path=last"], tmp_path / "run")] + ([] if auto else [(args, tmp_path / "reference")])
+    twin_args = args  # the uninterrupted twin's overrides (precision=auto: what the stopped run chose, below)
+    jobs = [(args + ["ckpt_path=last"], tmp_path / "run")] + ([] if auto else [(twin_args, tmp_path / "reference")])
     with ThreadPoolExecutor(len(jobs)) as pool:
         resumed, *reference = list(pool.map(lambda job: train(*job), jobs))
     assert resumed.returncode == 0, explain(resumed)
@@ -197,10 +198,36 @@ def test_killed_run_resumes_bitwise_like_the_uninterrupted_run(tmp_path: Path, a
         pins = _precision_choices(last)
         assert "restored from the checkpoint (not timed again)" in resumed.stdout + resumed.stderr, explain(resumed)
         named = tuple(p.partition("=")[0] + "=" for p in pins)
-        fixed = [a for a in args if not a.startswith(named)] + pins
-        reference = [train(fixed, tmp_path / "reference")]
+        twin_args = [a for a in args if not a.startswith(named)] + pins
+        reference = [train(twin_args, tmp_path / "reference")]
     assert reference[0].returncode == 0, explain(reference[0])
-    assert_bitwise_equal(tmp_path / "reference" / "checkpoints" / "last.ckpt", last)
+    try:
+        assert_bitwise_equal(tmp_path / "reference" / "checkpoints" / "last.ckpt", last)
+    except AssertionError as difference:  # FloatSumsDiffer included
+        _skip_where_uninterrupted_runs_differ(twin_args, tmp_path, difference)
+        raise
+
+
+def _skip_where_uninterrupted_runs_differ(args: list[str], tmp_path: Path, difference: AssertionError) -> None:
+    """The control of a resumed run that differs: two more uninterrupted runs, side by side as the resumed run and
+    its twin ran. Where one of them differs from the first uninterrupted run, this machine does not repeat the run
+    bit for bit even without a stop, so a bitwise resume cannot be judged on it: skipped, saying so and how much
+    (CI, 2026-12-02: ``precision=16-mixed`` resumed 1.1e-4 away on a machine whose CPU the log did not keep; 6 runs on
+    an AMX Xeon, with AVX2-only kernels forced and with one thread, were bitwise equal). Where both equal it, the
+    resume is what differs: the caller re-raises."""
+    from lit_speed.tuning.machine_cache import hardware
+
+    reference = tmp_path / "reference" / "checkpoints" / "last.ckpt"
+    jobs = [(args, tmp_path / f"control{i}") for i in (1, 2)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        controls = list(pool.map(lambda job: train(*job), jobs))
+    for (_, folder), control in zip(jobs, controls):
+        assert control.returncode == 0, explain(control)
+        try:
+            assert_bitwise_equal(reference, folder / "checkpoints" / "last.ckpt", "the first uninterrupted run")
+        except AssertionError as unrepeated:
+            pytest.skip(f"this machine ({hardware()}) does not repeat an uninterrupted run bit for bit ({unrepeated}), "
+                        f"so the resumed run's difference cannot be judged ({difference})")
 
 
 def test_the_matrix_covers_every_option_of_the_groups() -> None:
@@ -213,3 +240,33 @@ def test_the_matrix_covers_every_option_of_the_groups() -> None:
         assert f"experiment={preset}-sigkill" in ids
     for name in LEVERS:
         assert f"{name}-sigkill" in ids
+
+
+@pytest.mark.parametrize("controls_differ", [False, True])
+def test_a_differing_resume_is_skipped_only_where_two_uninterrupted_runs_differ(monkeypatch, tmp_path: Path,
+                                                                              controls_differ: bool) -> None:
+    """The control's two outcomes, without training: uninterrupted runs that repeat -> the resume's difference is
+    raised (a resume bug fails); runs that do not -> skipped, naming the machine and both differences."""
+    import subprocess
+    import sys
+
+    here = sys.modules[__name__]
+    ran: list[Path] = []
+    monkeypatch.setattr(here, "train", lambda args, run_dir: ran.append(run_dir) or subprocess.CompletedProcess(args, 0))
+
+    def compare(reference: Path, other: Path, what: str = "") -> list[str]:
+        if controls_differ and "control2" in str(other):
+            raise AssertionError("1/24 tensors differ from the first uninterrupted run")
+        return ["w"]
+
+    monkeypatch.setattr(here, "assert_bitwise_equal", compare)
+    resumed = AssertionError("18/24 tensors differ from the uninterrupted run")
+    if controls_differ:
+        with pytest.raises(pytest.skip.Exception, match=r"does not repeat .*1/24 .*cannot be judged .*18/24"):
+            _skip_where_uninterrupted_runs_differ(["seed=7"], tmp_path, resumed)
+    else:  # returns: the caller re-raises (a skip here would read as a skipped test, not a failed one)
+        try:
+            _skip_where_uninterrupted_runs_differ(["seed=7"], tmp_path, resumed)
+        except pytest.skip.Exception as skipped:
+            pytest.fail(f"skipped although the uninterrupted runs repeat: {skipped}")
+    assert sorted(p.name for p in ran) == ["control1", "control2"]
