@@ -13,7 +13,6 @@ of a plain ``DataLoader`` are not exact either (Lightning restarts the epoch's i
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -25,7 +24,7 @@ from lit_speed.checkpointing import FaultTolerance, resolve_ckpt_path, verify_ch
 from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
 from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal, max_abs_differences
-from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train
+from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train, train_side_by_side
 
 SIGKILLED = -9
 TOTAL_STEPS = 3 * STEPS_PER_EPOCH
@@ -61,11 +60,6 @@ def _kill_step(case_id: str, kill_range: tuple[int, int]) -> int:
     return random.Random(case_id).randint(*kill_range)
 
 
-def _both(*jobs: tuple[list[str], Path]) -> list:
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(lambda job: train(*job), jobs))
-
-
 def _assert_same_training_state(reference: Path, resumed: Path) -> None:
     assert_bitwise_equal(reference, resumed)
 
@@ -74,7 +68,7 @@ def _assert_same_training_state(reference: Path, resumed: Path) -> None:
 def test_sigkill_at_a_random_step_then_resume_matches_the_uninterrupted_run(tmp_path, extra, kill_range, request):
     step = _kill_step(request.node.callspec.id, kill_range)
     args = SHORT_RUN + extra
-    reference, killed = _both((args, tmp_path / "reference"), (args + kill_at(step), tmp_path / "run"))
+    reference, killed = train_side_by_side((args, tmp_path / "reference"), (args + kill_at(step), tmp_path / "run"))
     assert reference.returncode == 0, explain(reference)
     assert killed.returncode == SIGKILLED, explain(killed)
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
@@ -94,7 +88,7 @@ def test_two_processes_killed_mid_epoch_resume_bitwise(tmp_path, extra):
     # Each rank's shard of the resumable order goes on where it stopped (the permutation is DistributedSampler's,
     # seeded with PL_GLOBAL_SEED + epoch, so the ranks agree on it without drawing from their RNG streams)
     args = SHORT_RUN + ["trainer=ddp_cpu", "callbacks.model_checkpoint.every_n_train_steps=2", *extra]
-    reference, killed = _both((args, tmp_path / "reference"), (args + kill_at(5), tmp_path / "run"))
+    reference, killed = train_side_by_side((args, tmp_path / "reference"), (args + kill_at(5), tmp_path / "run"))
     assert reference.returncode == 0, explain(reference)
     assert killed.returncode != 0, explain(killed)
     resumed = train(args + ["ckpt_path=last"], tmp_path / "run")
@@ -113,7 +107,7 @@ def test_mid_epoch_checkpoint_of_a_resumable_loader_resumes_exactly(tmp_path, st
     # a new iterator (drawing its base seed) and, under DeepSpeed, builds it before the restore
     args = SHORT_RUN + ["data=digits_curriculum", "callbacks.model_checkpoint.every_n_train_steps=4",
                         f"strategy={strategy}"]
-    reference, killed = _both((args, tmp_path / "reference"), (args + kill_at(14), tmp_path / "run"))
+    reference, killed = train_side_by_side((args, tmp_path / "reference"), (args + kill_at(14), tmp_path / "run"))
     assert reference.returncode == 0, explain(reference)
     assert killed.returncode == SIGKILLED, explain(killed)
     resumed = train(args + ["ckpt_path=last"], tmp_path / "run")
@@ -127,7 +121,7 @@ def test_mid_epoch_checkpoint_of_a_resumable_loader_resumes_exactly(tmp_path, st
 def test_sigkill_inside_a_checkpoint_save_keeps_the_previous_one_and_resumes_exactly(tmp_path):
     # dies in the epoch-2 save (step 16), after a temporary file is written and before it replaces its target
     # (ModelCheckpoint writes the top-k file first, then last.ckpt): last.ckpt must still be the step-8 one
-    reference, killed = _both((SHORT_RUN, tmp_path / "reference"),
+    reference, killed = train_side_by_side((SHORT_RUN, tmp_path / "reference"),
                               (SHORT_RUN + kill_at(STEPS_PER_EPOCH + 1, mode="before_rename"), tmp_path / "run"))
     assert reference.returncode == 0, explain(reference)
     assert killed.returncode == SIGKILLED, explain(killed)
@@ -146,7 +140,8 @@ def test_sigkill_inside_a_checkpoint_save_keeps_the_previous_one_and_resumes_exa
 def test_resume_without_rng_state_is_not_exact(tmp_path):
     # the control that gives the test above its power: Lightning alone does not restore the RNG states
     args = SHORT_RUN + ["callbacks.fault_tolerance.restore_rng=false"]
-    reference, killed = _both((args, tmp_path / "reference"), (args + kill_at(STEPS_PER_EPOCH + 3), tmp_path / "run"))
+    reference, killed = train_side_by_side((args, tmp_path / "reference"),
+                                           (args + kill_at(STEPS_PER_EPOCH + 3), tmp_path / "run"))
     assert killed.returncode == SIGKILLED, explain(killed)
     resumed = train(args + ["ckpt_path=last"], tmp_path / "run")
     assert resumed.returncode == 0, explain(resumed)

@@ -15,7 +15,6 @@ Three holes, each found with the weights bitwise equal or nearly so:
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -29,7 +28,7 @@ from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
 from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal, assert_same_rows, metrics_rows
 from tests.helpers.fault_scripts.kill_at_step import NoteSignalAt
-from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, kill_at, train
+from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, kill_at, train, train_side_by_side
 
 
 class _CrashAt(Callback):
@@ -106,11 +105,6 @@ def test_a_stop_after_a_batch_that_validated_resumes_logging_at_the_same_steps(t
 
 
 # ---------------------------------------------------------------------------------------------- through train.py
-def _both(*jobs: tuple[list[str], Path]) -> list:
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(lambda job: train(*job), jobs))
-
-
 def _assert_same_run(reference: Path, run: Path) -> None:
     ref_rows, run_rows = metrics_rows(reference / "csv" / "metrics.csv"), metrics_rows(run / "csv" / "metrics.csv")
     assert_same_rows(run_rows, ref_rows)
@@ -123,7 +117,7 @@ def test_validation_budget_run_resumed_after_an_epoch_end_checkpoint_logs_like_t
     # batches) outgrows the 23-batch epoch, so checkpoints land in on_train_epoch_end. Killed after the epoch-2 one.
     args = ["callbacks=[default,validation_budget]", "trainer.max_steps=80", "trainer.max_epochs=-1",
             "trainer.deterministic=true", "trainer.enable_progress_bar=false", "validate=false", "seed=7"]
-    reference, killed = _both((args, tmp_path / "reference"), (args + kill_at(52), tmp_path / "run"))
+    reference, killed = train_side_by_side((args, tmp_path / "reference"), (args + kill_at(52), tmp_path / "run"))
     assert reference.returncode == 0, explain(reference)
     assert killed.returncode == -9, explain(killed)
     resumed = train(args + ["ckpt_path=last"], tmp_path / "run")
@@ -138,7 +132,7 @@ def test_two_processes_resumed_mid_epoch_log_the_epochs_train_acc_like_the_unint
     args = [a for a in SHORT_RUN if a != "logger=none"] + [
         "trainer=ddp_cpu", f"strategy={strategy}", "callbacks.model_checkpoint.every_n_train_steps=2",
         "trainer.log_every_n_steps=1"]
-    reference, killed = _both((args, tmp_path / "reference"), (args + kill_at(5), tmp_path / "run"))
+    reference, killed = train_side_by_side((args, tmp_path / "reference"), (args + kill_at(5), tmp_path / "run"))
     assert reference.returncode == 0, explain(reference)
     assert killed.returncode != 0, explain(killed)
     resumed = train(args + ["ckpt_path=last"], tmp_path / "run")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal
-from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, kill_at, signal_after, train
+from tests.helpers.fault_scripts.runs import SHORT_RUN, explain, kill_at, signal_after, train, train_side_by_side
 
 pytestmark = pytest.mark.slow  # two processes, each importing torch + Lightning (+ DeepSpeed): minutes on 2 cores
 
@@ -29,11 +29,6 @@ TWO = ["trainer=ddp_cpu"]  # 2 processes through Lightning's own launcher; 3 epo
 BOUND_S = 300  # a hang would last the process-group timeout (5 min under strategy=ddp) or forever
 SLOW = ["+callbacks.slow._target_=tests.helpers.fault_scripts.slow_step.SlowStep", "+callbacks.slow.seconds=600",
         "+callbacks.slow.from_step=13"]  # step 14 would take 10 minutes
-
-
-def _both(*jobs: tuple[list[str], Path]) -> list[subprocess.CompletedProcess]:
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(lambda job: train(*job, timeout=BOUND_S), jobs))
 
 
 def _step_of(checkpoint: Path) -> int:
@@ -56,8 +51,9 @@ def _no_process_left(run: Path) -> None:
 def test_sigterm_stops_every_process_after_the_same_batch_and_resumes_bitwise(tmp_path, strategy, rank, request):
     step = random.Random(request.node.callspec.id).randint(9, 22)  # seeded: reruns stop at the same step
     args = SHORT_RUN + TWO + [f"strategy={strategy}"]
-    reference, stopped = _both((args, tmp_path / "reference"),
-                               (args + kill_at(step, rank=rank, mode="sigterm"), tmp_path / "run"))
+    reference, stopped = train_side_by_side((args, tmp_path / "reference"),
+                                            (args + kill_at(step, rank=rank, mode="sigterm"), tmp_path / "run"),
+                                            timeout=BOUND_S)
     assert reference.returncode == 0, explain(reference)
     assert stopped.returncode == 128 + signal.SIGTERM, explain(stopped)
     output = stopped.stdout + stopped.stderr

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from lit_speed.checkpointing import verify_checkpoint  # noqa: E402
 from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal
-from tests.helpers.fault_scripts.runs import ROOT, SHORT_RUN, env, explain, kill_at, train
+from tests.helpers.fault_scripts.runs import ROOT, SHORT_RUN, env, explain, kill_at, train, train_side_by_side
 
 SIGKILLED = -9
 ZERO2 = SHORT_RUN + ["strategy=zero2"]
@@ -22,10 +21,9 @@ ZERO2 = SHORT_RUN + ["strategy=zero2"]
 
 @pytest.mark.slow  # three ZeRO-2 runs
 def test_sigkill_inside_a_zero2_save_moves_the_damaged_folder_aside_at_resume(tmp_path):
-    with ThreadPoolExecutor(2) as pool:  # dies inside the first save of last.ckpt/ (step 8, end of epoch 1)
-        reference, killed = pool.map(lambda job: train(*job), [(ZERO2, tmp_path / "reference"),
-                                                               (ZERO2 + kill_at(1, mode="in_zero_last_save"),
-                                                                tmp_path / "run")])
+    # dies inside the first save of last.ckpt/ (step 8, end of epoch 1)
+    reference, killed = train_side_by_side((ZERO2, tmp_path / "reference"),
+                                           (ZERO2 + kill_at(1, mode="in_zero_last_save"), tmp_path / "run"))
     assert reference.returncode == 0, explain(reference)
     assert killed.returncode == SIGKILLED, explain(killed)
     folder = tmp_path / "run" / "checkpoints"

@@ -17,14 +17,13 @@ chosen mode's run is tested in ``tests/precision/test_step_timing.py``).
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal
-from tests.helpers.fault_scripts.runs import ROOT, explain, kill_at, train
+from tests.helpers.fault_scripts.runs import ROOT, explain, kill_at, train, train_side_by_side
 
 CONF = ROOT / "conf"
 DEFAULTS = {"optimizer": "adamw", "precision": "32-true", "accumulation": "none", "peft": "none"}
@@ -204,8 +203,7 @@ def test_killed_run_resumes_bitwise_like_the_uninterrupted_run(tmp_path: Path, a
 
     twin_args = args  # the uninterrupted twin's overrides (precision=auto: what the stopped run chose, below)
     jobs = [(args + ["ckpt_path=last"], tmp_path / "run")] + ([] if auto else [(twin_args, tmp_path / "reference")])
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        resumed, *reference = list(pool.map(lambda job: train(*job), jobs))
+    resumed, *reference = train_side_by_side(*jobs)
     assert resumed.returncode == 0, explain(resumed)
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr, explain(resumed)
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
@@ -227,16 +225,12 @@ def _skip_where_uninterrupted_runs_differ(args: list[str], tmp_path: Path, diffe
     """The control of a resumed run that differs: two more uninterrupted runs, side by side as the resumed run and
     its twin ran. Where one of them differs from the first uninterrupted run, this machine does not repeat the run
     bit for bit even without a stop, so a bitwise resume cannot be judged on it: skipped, saying so and how much
-    (CI, 2026-12-02: ``precision=16-mixed`` resumed 1.1e-4 away on a machine whose CPU the log did not keep; 6 runs on
-    an AMX Xeon, with AVX2-only kernels forced and with one thread, were bitwise equal). Where both equal it, the
-    resume is what differs: the caller re-raises."""
+    (what led to it: :data:`KNOWN_OPEN`). Where both equal it, the resume is what differs: the caller re-raises."""
     from lit_speed.tuning.machine_cache import hardware
 
     reference = tmp_path / "reference" / "checkpoints" / "last.ckpt"
     jobs = [(args, tmp_path / f"control{i}") for i in (1, 2)]
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        controls = list(pool.map(lambda job: train(*job), jobs))
-    for (_, folder), control in zip(jobs, controls):
+    for (_, folder), control in zip(jobs, train_side_by_side(*jobs)):
         assert control.returncode == 0, explain(control)
         try:
             assert_bitwise_equal(reference, folder / "checkpoints" / "last.ckpt", "the first uninterrupted run")
@@ -267,7 +261,8 @@ def test_a_differing_resume_is_skipped_only_where_two_uninterrupted_runs_differ(
 
     here = sys.modules[__name__]
     ran: list[Path] = []
-    monkeypatch.setattr(here, "train", lambda args, run_dir: ran.append(run_dir) or subprocess.CompletedProcess(args, 0))
+    monkeypatch.setattr(here, "train_side_by_side", lambda *jobs: [ran.append(run_dir) or subprocess.CompletedProcess(
+        args, 0) for args, run_dir in jobs])
 
     def compare(reference: Path, other: Path, what: str = "") -> list[str]:
         if controls_differ and "control2" in str(other):

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal
-from tests.helpers.fault_scripts.runs import explain, kill_at, train
+from tests.helpers.fault_scripts.runs import explain, kill_at, train, train_side_by_side
 from tests.helpers.tiny_hf import STDLIB, save_tiny_causal_lm
 
 pytestmark = pytest.mark.slow
@@ -57,9 +56,8 @@ def test_killed_hf_lora_run_resumes_bitwise_from_its_adapters_only_checkpoint(tm
     # standard and the other transposed, 1e-10..1e-7 apart (the same sums in another order), not a resume fault.
     stopped = train(args + kill_at(7), tmp_path / "run")
     assert stopped.returncode == -9, explain(stopped)
-    with ThreadPoolExecutor(2) as pool:
-        resumed, reference = pool.map(lambda job: train(*job), [(args + ["ckpt_path=last"], tmp_path / "run"),
-                                                               (args, tmp_path / "reference")])
+    resumed, reference = train_side_by_side((args + ["ckpt_path=last"], tmp_path / "run"),
+                                            (args, tmp_path / "reference"))
     assert reference.returncode == 0, explain(reference)
     assert resumed.returncode == 0, explain(resumed)
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr, explain(resumed)

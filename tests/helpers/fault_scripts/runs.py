@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -29,6 +30,13 @@ def train(args: list[str], run_dir: Path, timeout: float = 600, script: str | No
     """``python scripts/train.py <args> hydra.run.dir=<run_dir>``; returns the finished process (text output)."""
     command = [sys.executable, script or str(ROOT / "scripts" / "train.py"), *args, f"hydra.run.dir={run_dir}"]
     return subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def train_side_by_side(*jobs: tuple[list[str], Path], timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """:func:`train` for each ``(args, run_dir)`` at the same time (a resumed run beside its uninterrupted twin, as a
+    busy machine runs them); the finished processes in the jobs' order."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda job: train(*job, timeout=timeout), jobs))
 
 
 def kill_at(step: int = -1, rank: int = 0, mode: str = "step", batch: int | None = None) -> list[str]:
