@@ -149,6 +149,9 @@ def add_adapters(model: nn.Module, method: str = "lora", target_modules: Sequenc
     """
     if method not in METHODS:
         raise ValueError(f"PEFTAdapters(method={method!r}): unknown method. Fix: method=<one of {', '.join(METHODS)}>")
+    # one name, as peft takes it (target_modules="all-linear", or peft.target_modules=all-linear typed on a command line)
+    target_modules = [target_modules] if isinstance(target_modules, str) else target_modules
+    trainable_modules = [trainable_modules] if isinstance(trainable_modules, str) else trainable_modules
     if method != "freeze" and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
         raise ValueError(f"PEFTAdapters(r={r!r}): the adapter rank must be an int >= 1. Fix: r=8 (4-64 is usual)")
     targets = module_names_matching(model, target_modules) if method != "freeze" and target_modules else []
@@ -164,6 +167,8 @@ def add_adapters(model: nn.Module, method: str = "lora", target_modules: Sequenc
     else:
         import peft
 
+        from lit_speed.compat.peft import scale_lora_down
+
         config = peft_config(method, targets, r, alpha, dropout, options)  # an option peft refuses names itself
         try:
             peft.inject_adapter_in_model(config, model)
@@ -177,6 +182,7 @@ def add_adapters(model: nn.Module, method: str = "lora", target_modules: Sequenc
             raise ValueError(f"PEFTAdapters(target_modules={[str(t) for t in target_modules]}): peft refused "
                              f"({' '.join(str(error).split())[:300]}). Fix: target layers (Linear, Embedding, Conv), "
                              "by name or class") from None
+        scale_lora_down(model)  # B((A x) * scaling): the scaling on rank-wide values, no float32 copy of x under autocast
     modules = dict(model.named_modules())
     for name in keep:
         modules[name].requires_grad_(True)

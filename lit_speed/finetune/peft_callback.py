@@ -28,8 +28,10 @@ from lit_speed.finetune.adapters import (
 )
 from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_after_fit
 from lit_speed.finetune.frozen_base import (
+    AUTO,
     BASE_DTYPES,
     COMPUTES,
+    auto_base_dtype,
     choose_base_compute,
     lower_frozen_base,
     set_base_compute,
@@ -69,7 +71,10 @@ class PEFTAdapters(Callback):
             quantization step, and the adapters train against the dequantized base), while adapters, gradients and
             optimizer state stay float32 and the export is float32
             (:mod:`lit_speed.finetune.frozen_base`); ``None`` keeps it as loaded. With float32-weight precision modes
-            only (``32-true``, ``bf16-mixed``, ``16-mixed``), not under ZeRO.
+            only (``32-true``, ``bf16-mixed``, ``16-mixed``), not under ZeRO. ``auto``: ``bf16`` where the precision
+            mode autocasts every frozen matmul to bf16 anyway (``bf16-mixed``), else as loaded
+            (:func:`~lit_speed.finetune.frozen_base.auto_base_dtype`; decided at setup, or by the runner from the
+            config before the weights load).
         base_compute: How the bf16/int8 base computes: ``fp32`` (each weight cast for its own matmul), ``bf16`` (native
             bf16 matmuls), or ``auto``: autocast's dtype under a mixed mode, else timed here
             (:func:`~lit_speed.finetune.frozen_base.choose_base_compute`; float32 on CPUs without native bf16).
@@ -119,20 +124,24 @@ class PEFTAdapters(Callback):
         self.adapters_only_checkpoints = bool(adapters_only_checkpoints)
         self.export, self.export_dir, self.export_format = bool(export), export_dir, export_format
         self.export_seconds: float | None = None
-        if base_dtype is not None and base_dtype not in BASE_DTYPES:
+        if base_dtype is not None and base_dtype not in (*BASE_DTYPES, AUTO):
             raise ValueError(f"PEFTAdapters(base_dtype={base_dtype!r}): the frozen base is held in one of "
-                             f"{', '.join(BASE_DTYPES)} or as loaded. Fix: base_dtype=bf16, or base_dtype=null")
+                             f"{', '.join(BASE_DTYPES)} or as loaded (null), or {AUTO} decides. Fix: base_dtype=bf16, "
+                             "or base_dtype=auto")
         if base_compute not in COMPUTES:
             raise ValueError(f"PEFTAdapters(base_compute={base_compute!r}): one of {', '.join(COMPUTES)}. "
                              "Fix: base_compute=auto")
-        if base_dtype is not None and method == "freeze":
+        if base_dtype not in (None, AUTO) and method == "freeze":
             raise ValueError(f"PEFTAdapters(base_dtype={base_dtype!r}): method=freeze has no adapters; a frozen "
                              "model with a low-precision base is what precision=bf16-true gives. Fix: method=lora, "
                              "or base_dtype=null")
         if up_grad not in UP_GRADS:
             raise ValueError(f"PEFTAdapters(up_grad={up_grad!r}): one of {', '.join(UP_GRADS)}. Fix: up_grad=auto "
                              "(timed here at fit start)")
-        self.base_dtype, self.base_compute = base_dtype, base_compute
+        # base_dtype: how the frozen base is held (None: as loaded); with auto, decided by decide_base_dtype
+        self.base_dtype_setting, self.base_compute = base_dtype, base_compute
+        self.base_dtype: str | None = None if base_dtype == AUTO else base_dtype
+        self.base_dtype_reason = "" if base_dtype == AUTO else "requested"
         self.up_grad = up_grad
         self.chosen_up_grad: str | None = None  # standard / transposed, decided at fit start, kept in checkpoints
         self.up_grad_reason = ""
@@ -148,10 +157,20 @@ class PEFTAdapters(Callback):
 
     # ---- transform ----------------------------------------------------------------------------------------
 
+    def decide_base_dtype(self, precision_mode: str | None, zero: bool = False) -> str | None:
+        """With ``base_dtype=auto``, decide it once for ``precision_mode`` (:func:`auto_base_dtype`); returns how the
+        base is held. The runner decides from the config before the weights load; alone, :meth:`setup` does."""
+        if self.base_dtype_setting == AUTO and not self.base_dtype_reason:
+            self.base_dtype, reason = auto_base_dtype(precision_mode, zero, self.method)
+            self.base_dtype_reason = f"auto: {reason}"
+        return self.base_dtype
+
     def prepare_model(self, model: nn.Module) -> None:
         """Add the adapters to ``model`` and freeze the rest (once; the runner calls it before the start-up table)."""
         if self.counts is not None:
             return
+        if self.base_dtype_setting == AUTO and not self.base_dtype_reason:  # before any Trainer: nothing to decide by
+            self.base_dtype_reason = "auto: prepared before a Trainer, the precision is not known: as loaded"
         self.targets = add_adapters(model, self.method, self.target_modules, self.r, self.alpha, self.dropout,
                                     self.trainable_modules, self.options)
         self.trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -171,6 +190,7 @@ class PEFTAdapters(Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self.decide_base_dtype(_precision_mode(trainer), strategy_facts(trainer.strategy).zero_stage is not None)
         self.prepare_model(pl_module)
         stage3 = strategy_facts(trainer.strategy).zero_stage == 3
         if self.export and stage3 and stage == "fit":
@@ -323,6 +343,10 @@ class PEFTAdapters(Callback):
             compute = (f"{self.chosen_compute} ({self.compute_reason})" if self.chosen_compute else
                        f"{self.base_compute}" + (" (decided at fit start)" if self.base_compute == "auto" else ""))
             rows["frozen base"] = f"held in {self.base_dtype} ({held}); computed in {compute}"
+            if self.base_dtype_setting == AUTO:
+                rows["frozen base"] += f"; {self.base_dtype_reason}"
+        elif self.base_dtype_setting == AUTO and self.method != "freeze":
+            rows["frozen base"] = f"as loaded ({self.base_dtype_reason or 'auto: decided at setup'})"
         if self.method == "lora":
             rows["adapter gradients"] = (f"up-projections {self.chosen_up_grad} ({self.up_grad_reason})"
                                          if self.chosen_up_grad else f"up-projections {self.up_grad}"

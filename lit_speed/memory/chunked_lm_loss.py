@@ -93,18 +93,44 @@ def _rows(weight: torch.Tensor, v0: int, v1: int, cdt: torch.dtype, weight_scale
     return rows if weight_scale is None else rows * weight_scale[v0:v1].to(cdt)
 
 
+class _Buffers:
+    """One chunk's logits buffers, allocated once per call and reused by every chunk: the float32 logits (their
+    gradient in place) and, for a 16-bit compute dtype, the matmul's output and the gradient's cast. A fresh
+    tokens x vocabulary tensor per chunk paid its page faults each time (0.5B LoRA, 147 x 151,936: a bf16 -> float32
+    cast into a new tensor 24.6 ms, into a reused one 6.3 ms, on a Xeon with AMX)."""
+
+    def __init__(self, tokens: int, vocab: int, cdt: torch.dtype, device: torch.device) -> None:
+        self.f32 = torch.empty(tokens, vocab, dtype=torch.float32, device=device)
+        self.low = torch.empty(tokens, vocab, dtype=cdt, device=device) if cdt != torch.float32 else None
+
+    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The float32 and 16-bit buffers for a chunk of ``n`` tokens (contiguous views)."""
+        return self.f32[:n], None if self.low is None else self.low[:n]
+
+
 def _head(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt: torch.dtype,
-          slices: list[tuple[int, int]], weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 logits ``h @ weight.T + bias`` with the matmul in ``cdt``, casting ``weight`` slice by slice."""
+          slices: list[tuple[int, int]], weight_scale: torch.Tensor | None = None,
+          buffers: _Buffers | None = None) -> torch.Tensor:
+    """float32 logits ``h @ weight.T + bias`` with the matmul in ``cdt``, casting ``weight`` slice by slice (into
+    ``buffers`` where given)."""
     hc = h.to(cdt)
+    f32, low = buffers.rows(h.shape[0]) if buffers is not None else (None, None)
     if len(slices) == 1 and weight.dtype == cdt:
-        out = hc @ weight.t()
-        out = out.float() if out.dtype != torch.float32 else out
+        if f32 is None:
+            out = hc @ weight.t()
+            out = out.float() if out.dtype != torch.float32 else out
+        elif low is None:
+            out = torch.mm(hc, weight.t(), out=f32)
+        else:
+            out = f32.copy_(torch.mm(hc, weight.t(), out=low))
     else:  # vocabulary-major: each cast slice of the weight fills a contiguous block of rows, written in place
         out_t = torch.empty(weight.shape[0], h.shape[0], dtype=cdt, device=h.device)
         for v0, v1 in slices:
             torch.mm(_rows(weight, v0, v1, cdt, weight_scale), hc.t(), out=out_t[v0:v1])
-        out = out_t.t() if cdt == torch.float32 else out_t.t().float()
+        if cdt == torch.float32:
+            out = out_t.t()
+        else:
+            out = out_t.t().float() if f32 is None else f32.copy_(out_t.t())
     if bias is not None:
         out += bias.float()
     return out
@@ -112,11 +138,11 @@ def _head(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt:
 
 def _chunk(h: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt: torch.dtype,
            slices: list[tuple[int, int]], scale: float, softcap: float | None, grad_scale: float | None,
-           grad_weight: torch.Tensor | None, want: tuple[bool, bool, bool], weight_scale: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+           grad_weight: torch.Tensor | None, want: tuple[bool, bool, bool], weight_scale: torch.Tensor | None = None,
+           buffers: _Buffers | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One chunk: the summed loss; with ``grad_scale``, the gradients ``want`` asks for: ``grad_h`` and the bias's
     (float32) returned, the weight's added into ``grad_weight`` (float32) in place."""
-    logits = _head(h, weight, bias, cdt, slices, weight_scale)
+    logits = _head(h, weight, bias, cdt, slices, weight_scale, buffers)
     if scale != 1.0:
         logits.mul_(scale)
     deriv = None
@@ -138,7 +164,8 @@ def _chunk(h: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, bias: torch
         del deriv
     grad.mul_(grad_scale * scale)  # d loss / d (h @ W.T + b)
     grad_bias = grad.sum(dim=0) if want[2] else None
-    gc = grad.to(cdt)
+    low = buffers.rows(len(tgt))[1] if buffers is not None else None
+    gc = grad.to(cdt) if low is None else low.copy_(grad)  # the logits' 16-bit buffer is free again
     grad_h = None
     if want[0] and len(slices) == 1 and weight.dtype == cdt:
         grad_h = (gc @ weight).float()
@@ -175,10 +202,11 @@ def _run(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if grads[1] else None
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if grads[2] else None
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    buffers = _Buffers(min(step, count), weight.shape[0], cdt, h.device) if count > step else None
     for start in range(0, count, step):
         rows = chosen[start:start + step]
         part, gh, gb = _chunk(h[rows], t[rows], weight, bias, cdt, slices, opts["scale"], opts["softcap"],
-                              grad_scale, grad_w, grads, opts.get("weight_scale"))
+                              grad_scale, grad_w, grads, opts.get("weight_scale"), buffers)
         loss += part
         if grad_h is not None and gh is not None:
             grad_h.index_add_(0, rows, gh)

@@ -36,7 +36,7 @@ def _needs_transformers(owner: str) -> Any:
 def _load_dtype(pretrained: str, load_dtype: str | None, owner: str) -> torch.dtype:
     """float32, or bf16 when asked (``load_dtype=bf16``, set by ``peft.base_dtype=bf16``; ``int8`` asks the same: the
     base is quantized after loading) and the folder's weights are bf16: read as they are stored, nothing is rounded."""
-    if load_dtype in (None, "float32", "fp32"):
+    if load_dtype in (None, "float32", "fp32", "auto"):  # auto: peft.base_dtype=auto where no runner decided it
         return torch.float32
     if load_dtype == "int8":  # peft.base_dtype=int8: quantized after loading, from the folder's own values
         load_dtype = "bf16"

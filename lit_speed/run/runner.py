@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+import lit_speed
 from lit_speed.checkpointing import FaultTolerance, is_write_failure, stop_signal_received, write_failure_message
 from lit_speed.checkpointing.resume import resolve_ckpt_path
 from lit_speed.memory.allocator import KeepFreedMemory
@@ -28,7 +29,7 @@ from lit_speed.run.config_rules import check_config
 from lit_speed.run.config_targets import model_takes_optimizer
 from lit_speed.run.console import quiet_upstream_notices
 from lit_speed.run.memory_fit.fit_gate import check_fits_memory
-from lit_speed.run.memory_fit.fit_levers import adds_keep_freed_memory
+from lit_speed.run.memory_fit.fit_levers import adds_keep_freed_memory, configured_base_dtype
 from lit_speed.run.model_checks import check_activation_memory, check_tokens_fit_model
 from lit_speed.run.monitor import configured_monitor
 from lit_speed.run.plan_check import RunPlanCheck
@@ -78,6 +79,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     takes_optimizer = model_takes_optimizer(cfg.model)
     optimizer = hydra.utils.instantiate(cfg.optimizer, _convert_="all") if takes_optimizer else None
     facts = config_facts(cfg)
+    held = configured_base_dtype(facts)  # peft.base_dtype=auto decided from the precision, as PEFTAdapters decides it
+    if isinstance(cfg.get("model"), DictConfig) and cfg.model.get("load_dtype") == "auto":
+        cfg.model.load_dtype = held  # model.load_dtype follows peft.base_dtype: a bf16 folder read as it is held
     # in force before the weights load: what loading and lowering the base free goes back too
     pinned = {key: hydra.utils.instantiate(cfg.callbacks[key]) for key in facts.callback_keys("ReturnFreedMemory")}
     for callback in pinned.values():
@@ -112,6 +116,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
                  *_instantiate_group(cfg.get("callbacks"), pinned), *_instantiate_group(cfg.get("accumulation"))]
     preparing = time.perf_counter()
     for part in callbacks:  # before the table and the optimizer: the table shows the model that trains
+        if facts.adapters is not None and isinstance(part, lit_speed.PEFTAdapters):
+            part.decide_base_dtype(facts.precision_mode, facts.strategy.deepspeed)
         if isinstance(part, ModelPreparer):
             part.prepare_model(model)
     phases["model_prepare"] = time.perf_counter() - preparing

@@ -62,6 +62,8 @@ LEVERS = {"peft=lora peft.base_dtype=bf16": DIGITS + ["peft=lora", "peft.base_dt
           # LoRA's up-projection gradient (peft=lora's row above runs up_grad=auto: decided at fit start, kept on resume)
           "peft=lora peft.up_grad=transposed": DIGITS + ["peft=lora", "peft.up_grad=transposed"],
           "peft=lora peft.base_dtype=int8": DIGITS + ["peft=lora", "peft.base_dtype=int8"],
+          # peft.base_dtype=auto (the default) under bf16 autocast: the base held in bf16, decided before the weights load
+          "peft=lora precision=bf16-mixed": DIGITS + ["peft=lora", "precision=bf16-mixed"],
           "callbacks+=keep_freed_memory": [*DIGITS, "callbacks=[model_checkpoint,fault_tolerance,keep_freed_memory]"],
           "experiment=charlm_cpu callbacks+=chunked_loss": [
               "experiment=charlm_cpu", *[a for a in PRESET if not a.startswith("callbacks=")],

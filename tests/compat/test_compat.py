@@ -630,3 +630,46 @@ def test_peft_lora_linear_still_has_what_the_hand_merge_reads() -> None:
                           LoraConfig(r=2, target_modules=["0"], use_dora=True))
     assert peft_compat.plain_lora_linear(dora.base_model.model[0]) is None  # a variant: peft merges it itself
     assert peft_compat.plain_lora_linear(torch.nn.Linear(4, 3)) is None
+
+
+@pytest.mark.parametrize("alpha, exact", [(16, True), (12, False)], ids=["scaling-2", "scaling-1.5"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_scale_lora_down_keeps_peft_s_outputs_and_gradients(alpha, exact, autocast) -> None:
+    """``B((A x) s)`` against peft's ``B(A x) s``: bitwise where ``s`` is a power of two (the same roundings, scaled),
+    within one rounding of the product otherwise; peft's own forward for merged or disabled adapters and DoRA."""
+    pytest.importorskip("peft")
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from lit_speed.compat import peft as peft_compat
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    theirs = get_peft_model(base, LoraConfig(r=8, lora_alpha=alpha, target_modules=["0", "2"],
+                                             init_lora_weights=False))  # B != 0
+    ours = copy.deepcopy(theirs)
+    assert peft_compat.scale_lora_down(ours) == 2
+    assert type(ours.base_model.model[0]).__name__ == "ScaledDownLoraLinear"
+    assert peft_compat.plain_lora_linear(ours.base_model.model[0]) is not None  # still merged by hand
+    x = torch.randn(5, 32)
+    results = []
+    for model in (theirs, ours):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        results.append((out, *torch.autograd.grad(out.float().square().sum(), trained)))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        if exact:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b.float(), a.float(), rtol=2e-2 if autocast else 1e-5,
+                                       atol=(2e-2 if autocast else 1e-5) * float(a.abs().max()))
+    layer = ours.base_model.model[0]
+    layer.merge()
+    with torch.no_grad():  # merged: peft's forward (the base alone), not the adapter added a second time
+        torch.testing.assert_close(ours(x), theirs(x).detach(), rtol=1e-5, atol=1e-5)
+    dora = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 3)),
+                          LoraConfig(r=2, target_modules=["0"], use_dora=True))
+    assert peft_compat.scale_lora_down(dora) == 0  # a variant keeps peft's class and forward

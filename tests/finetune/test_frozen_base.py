@@ -5,6 +5,7 @@ compute dtype chosen by measurement, and the combinations that cannot keep float
 from __future__ import annotations
 
 import copy
+import math
 
 import lightning.pytorch as pl
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from lit_speed.finetune.adapters import add_adapters, frozen_fingerprint
 from lit_speed.finetune.frozen_base import (
+    auto_base_dtype,
     choose_base_compute,
     frozen_base_bytes,
     lower_frozen_base,
@@ -22,6 +24,7 @@ from lit_speed.finetune.peft_callback import PEFTAdapters
 from lit_speed.memory.memory_tracker import LiveTensorTracker
 from lit_speed.models.gpt import GPTModule
 from lit_speed.run.config_error import ConfigError
+from lit_speed.run.memory_fit.fit_levers import configured_levers
 from lit_speed.run.runner import train
 from lit_speed.tuning import Decision, choose_fastest
 
@@ -196,6 +199,32 @@ def test_trains_fp32_adapters_over_a_bf16_base_and_exports_float32_equal_to_merg
         torch.testing.assert_close(exported[f"{layer}.weight"], by_hand.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("precision, held", [("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)])
+def test_auto_holds_the_base_in_bf16_only_where_autocast_casts_every_frozen_matmul_to_bf16(tmp_path, precision, held):
+    callback = PEFTAdapters(r=4, base_dtype="auto", export=False)
+    module, _, losses = _fit(callback, tmp_path, precision=precision, steps=2)
+    assert module.model.wte.weight.dtype == held and all(map(math.isfinite, losses))
+    assert callback.base_dtype == (None if held == torch.float32 else "bf16")
+    assert callback.base_dtype_reason.startswith(f"auto: precision={precision} ")
+    row = callback.describe()["frozen base"]
+    assert row.startswith("held in bf16 (" if held == torch.bfloat16 else "as loaded (auto: ") and "auto: " in row
+
+
+def test_auto_base_dtype_is_bf16_only_under_bf16_autocast_without_zero_and_with_adapters():
+    assert auto_base_dtype("bf16-mixed")[0] == "bf16"
+    for args in [("32-true",), ("16-mixed",), ("bf16-true",), ("bf16-master",), ("auto",), (None,),
+                 ("bf16-mixed", True), ("bf16-mixed", False, "freeze")]:
+        held, reason = auto_base_dtype(*args)
+        assert held is None and reason, args
+
+
+def test_the_fit_check_reads_auto_as_the_runner_decides_it(make_cfg):
+    base = ["peft=lora", "logger=none"]
+    assert configured_levers(make_cfg([*base, "precision=bf16-mixed"])).base_bf16
+    assert not configured_levers(make_cfg([*base, "precision=32-true"])).base_bf16
+    assert not configured_levers(make_cfg([*base, "precision=bf16-mixed", "peft.base_dtype=null"])).base_bf16
+
+
 def _lora_gpt_like(module: GPTModule) -> GPTModule:
     fresh = GPTModule(**SIZES)
     fresh.load_state_dict({k.replace(".base_layer", ""): v for k, v in module.state_dict().items() if "lora_" not in k})
@@ -238,10 +267,13 @@ def test_through_the_runner_a_resume_keeps_the_compute_choice_and_another_base_d
     checkpoint = tmp_path / "checkpoints" / "last.ckpt"
     with pytest.raises(ConfigError, match=r"trained over a base held in bf16: resuming would not continue the same "
                                           r"run\. Fix: base_dtype=bf16"):
-        train(make_cfg([*base, "precision=bf16-mixed", "trainer.max_epochs=2", f"ckpt_path={checkpoint}"]))
-    summary = train(make_cfg([*base, "peft.base_dtype=bf16", "precision=bf16-mixed", "trainer.max_epochs=2",
-                              f"ckpt_path={checkpoint}"]))
+        train(make_cfg([*base, "peft.base_dtype=null", "precision=bf16-mixed", "trainer.max_epochs=2",
+                        f"ckpt_path={checkpoint}"]))
+    # the default, peft.base_dtype=auto, holds the base in bf16 under bf16-mixed: the same run continues
+    summary = train(make_cfg([*base, "precision=bf16-mixed", "trainer.max_epochs=2", f"ckpt_path={checkpoint}"]))
     assert summary["global_step"] == 4 and summary["components"]["PEFTAdapters"]["base_compute"] == "bf16"
+    assert summary["components"]["PEFTAdapters"]["base_dtype"] == "bf16"
+    assert "auto: precision=bf16-mixed casts every frozen matmul" in summary["startup"]["frozen base"]
 
 
 @pytest.mark.slow  # compiles (aot_eager) twice: ~5-8 s

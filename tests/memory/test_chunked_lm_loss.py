@@ -100,6 +100,20 @@ def test_under_bf16_autocast_the_matmuls_run_in_bf16_and_the_loss_in_float32():
         torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-3 * float(e.abs().max()))
 
 
+def test_a_bf16_head_under_bf16_autocast_gives_the_same_loss_in_many_chunks_as_in_one():
+    """The reused chunk buffers (the bf16 matmul output, then the gradient's cast, in one buffer): each chunk's rows
+    are computed as they would be alone."""
+    hidden, weight, _, targets = _inputs(n=64, h=32)
+    frozen = weight.detach().to(torch.bfloat16)
+    results = []
+    for chunk_bytes in (V * 6 * 5, V * 6 * 64):  # 13 chunks of 5 tokens (the last 4), or one of 64
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = chunked_lm_loss(hidden, frozen, targets, chunk_bytes=chunk_bytes)
+            results.append((loss, *torch.autograd.grad(loss, [hidden])))
+    torch.testing.assert_close(results[0][0], results[1][0], **FP32)
+    torch.testing.assert_close(results[0][1], results[1][1], **FP32)
+
+
 def test_the_logits_never_exist_whole_and_the_declared_cost_bounds_what_is_allocated():
     torch.manual_seed(0)
     tokens, vocab, width = 512, 8192, 32

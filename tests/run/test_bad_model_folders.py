@@ -82,7 +82,7 @@ CASES = {
     # issue 50: lines that blamed another setting (model.pretrained, data.root), named none, or said nothing
     "base_dtype_int4": ("qwen2", ["peft=lora", "peft.base_dtype=int4", "data.block_size=32"],
                         r"^peft\.base_dtype='int4': PEFTAdapters\(base_dtype='int4'\): the frozen base is held in one of "
-                        r"bf16, int8 or as loaded\. Fix: base_dtype=bf16, or base_dtype=null$"),
+                        r"bf16, int8 or as loaded \(null\), or auto decides\. Fix: base_dtype=bf16, or base_dtype=auto$"),
     "base_dtype_fp8": ("qwen2", ["peft=lora", "peft.base_dtype=fp8", "data.block_size=32"],
                        r"^peft\.base_dtype='fp8': PEFTAdapters\(base_dtype='fp8'\): .*Fix: base_dtype=bf16"),
     "alpha_negative": ("qwen2", ["peft=lora", "peft.alpha=-1", "data.block_size=32"],

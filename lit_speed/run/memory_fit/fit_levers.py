@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from omegaconf import DictConfig
 
+import lit_speed
 from lit_speed.strategies.config_facts import ConfigFacts, config_facts
 
 
@@ -60,15 +61,26 @@ def callback_nodes(cfg: DictConfig) -> dict[str, DictConfig]:
     return {k: v for k, v in node.items() if isinstance(v, DictConfig) and "_target_" in v}
 
 
+def configured_base_dtype(facts: ConfigFacts) -> str | None:
+    """How the config holds the frozen base: ``peft.base_dtype`` (``bf16``, ``int8``, ``None``), with ``auto``
+    decided as ``PEFTAdapters`` decides it (:func:`lit_speed.auto_base_dtype`), from the configured precision."""
+    if facts.adapters is None:
+        return None
+    setting = facts.adapters.get("base_dtype")
+    if setting != "auto":
+        return setting
+    return lit_speed.auto_base_dtype(facts.precision_mode, facts.strategy.deepspeed,
+                                     str(facts.adapters.get("method", "lora")))[0]
+
+
 def configured_levers(cfg: DictConfig, facts: ConfigFacts | None = None) -> Levers:
     """The levers ``cfg`` has on, read from its :func:`~lit_speed.strategies.config_facts.config_facts`."""
     facts = facts or config_facts(cfg)
-    peft = facts.adapters
     lora = facts.lora
     return Levers(chunked_loss=facts.chunked_loss is not None or cfg.model.get("loss_chunk_mib") is not None,
                   checkpointing=facts.checkpointing,
-                  base_bf16=lora and peft.get("base_dtype") == "bf16",
-                  base_int8=lora and peft.get("base_dtype") == "int8", low_bit_states=facts.low_bit_states,
+                  base_bf16=lora and configured_base_dtype(facts) == "bf16",
+                  base_int8=lora and configured_base_dtype(facts) == "int8", low_bit_states=facts.low_bit_states,
                   micro_batch=int(cfg.data.batch_size), lora=lora)
 
 
