@@ -84,6 +84,15 @@ def commit() -> str:
         return "unknown"
 
 
+def settle_disk() -> float:
+    """``sync`` before a row starts; returns its seconds. A row's export writes a float32 model (2 GB at 0.5B); left
+    to the page cache, its writeback slowed the next row's own writes: the same 2 GB save_pretrained took 0.5-5.1 s in
+    one process on XA, and each row's export is in its launch-to-end time."""
+    start = time.perf_counter()
+    os.sync()
+    return round(time.perf_counter() - start, 3)
+
+
 def stats(samples: list[float]) -> dict[str, float]:
     """Median, spread (min/max, stdev) of repeated measurements."""
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),

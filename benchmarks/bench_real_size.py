@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, machine, write_result  # noqa: E402
+from _common import RESULTS, ROOT, machine, settle_disk, write_result  # noqa: E402
 from model_folders import SPECS, build  # noqa: E402
 
 WORK = ROOT / ".cache" / "bench_real_size"
@@ -117,6 +117,8 @@ SUITES: dict[str, dict[str, tuple[str, str, str, int, str, Any]]] = {
         "lora05/trainer": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "speed"),
         # the Trainer with the same allocator setting as lit_speed's keep_freed_memory, from the environment
         "lora05/trainer_keep": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "speed" + KEEP),
+        # the Trainer over a base loaded in bf16 (from_pretrained(dtype=torch.bfloat16), adapters float32 by peft)
+        "lora05/trainer_bf16base": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "bf16base"),
         # the Trainer's own compile flag (torch_compile=True: the whole model through torch.compile)
         "lora05/trainer_compile": ("lora05", "qwen2.5-0.5b", "lora", 8, "trainer", "compile"),
         "lora05/lightning": ("lora05", "qwen2.5-0.5b", "lora", 8, "lightning", "speed"),
@@ -280,11 +282,12 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
            "LIT_SPEED_CACHE_DIR": str(out / "lit_speed_cache"),  # cold: lit_speed's timed choices (auto) are timed
            **(KEEP_ENV if kind != "lit" and extra.endswith(KEEP) else {})}
     plan = run_plan(cmd, env, out) if kind == "lit" and args.plan else None
+    synced = settle_disk()  # the previous row's export written out: not this row's writeback
     start = time.time()
     proc, timeline = run_sampled([*TIME_V, *cmd], env, out)
     wall = time.time() - start
     row: dict[str, Any] = {"name": name, "group": group, "model": model, "mode": mode, "r": r, "tool": kind,
-                           "command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": round(wall, 2),
+                           "command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": round(wall, 2), "sync_before_s": synced,
                            **time_v(proc.stderr), "rss_timeline": timeline}
     if not TIME_V:  # no GNU time here: the largest of the 0.25 s samples
         row["peak_rss_bytes"], row["peak_rss_from"] = timeline["peak_mib"] * 2**20, "rss samples"
@@ -327,12 +330,13 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
 
 def compare(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Ratios of each row to its group's Trainer row (``<group>/trainer``), and the loss agreement; lit_speed's rows
-    also to the Trainer told the same allocator setting (``<group>/trainer_keep``, key ``<row> vs trainer_keep``)."""
+    also to the Trainer told the same allocator setting (``<group>/trainer_keep``, key ``<row> vs trainer_keep``) and
+    over a bf16-loaded base (``<group>/trainer_bf16base``)."""
     out: dict[str, dict[str, Any]] = {}
     by_name = {r["name"]: r for r in rows if r.get("exit") == 0}
     pairs = [(row, by_name.get(f"{row['group']}/trainer"), row["name"]) for row in by_name.values()]
-    pairs += [(row, by_name.get(f"{row['group']}/trainer_keep"), f"{row['name']} vs trainer_keep")
-              for row in by_name.values() if row["tool"] == "lit"]
+    pairs += [(row, by_name.get(f"{row['group']}/{peer}"), f"{row['name']} vs {peer}")
+              for row in by_name.values() if row["tool"] == "lit" for peer in ("trainer_keep", "trainer_bf16base")]
     for row, ref, key in pairs:
         if ref is None or ref is row:
             continue

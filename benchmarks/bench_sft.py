@@ -30,7 +30,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _common import RESULTS, write_result  # noqa: E402
+from _common import RESULTS, settle_disk, write_result  # noqa: E402
 from bench_real_size import TIME_V, run_sampled, time_v  # noqa: E402
 from model_folders import CHAT, build  # noqa: E402
 
@@ -110,9 +110,10 @@ def run(name: str, cmd: list[str], out: Path) -> dict[str, Any]:
     path = os.pathsep.join(p for p in (str(ROOT / "benchmarks"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "HYDRA_FULL_ERROR": "1", "LIT_SPEED_CACHE_DIR": str(out / "tuning"),
            "TOKENIZERS_PARALLELISM": "false"}
+    synced = settle_disk()  # the previous row's export written out: not this row's writeback
     start = time.time()
     proc, timeline = run_sampled([*TIME_V, *cmd], env, out)
-    row: dict[str, Any] = {"name": name, "command": " ".join(cmd[1:]), "exit": proc.returncode,
+    row: dict[str, Any] = {"name": name, "command": " ".join(cmd[1:]), "exit": proc.returncode, "sync_before_s": synced,
                            "wall_s": round(time.time() - start, 2), **time_v(proc.stderr),
                            "rss_peak_at_s": timeline["peak_at_s"], "rss_peak_anon_mib": timeline["peak_anon_mib"],
                            "rss_peak_file_mib": timeline["peak_file_mib"], "rss_mib_per_s": timeline["mib_per_s"]}

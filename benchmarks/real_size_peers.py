@@ -7,7 +7,9 @@
 documented flags: ``default`` (what ``TrainingArguments`` gives), ``speed`` (bf16 autocast where the CPU has native
 bf16 kernels, else float32 - on a CPU without them bf16 matmuls are 50-500x slower -, the fused AdamW), ``memory``
 (``speed`` plus gradient checkpointing, and torchao's 8-bit AdamW for full fine-tuning: ``optim="adamw_torch_8bit"``),
-``compile`` (``speed`` plus ``torch_compile=True``: the whole model through ``torch.compile``, inductor).
+``compile`` (``speed`` plus ``torch_compile=True``: the whole model through ``torch.compile``, inductor),
+``bf16base`` (``speed`` with the base loaded in bf16, ``from_pretrained(dtype=torch.bfloat16)`` as Hugging Face's LoRA
+guides load it; peft keeps the adapters float32, ``autocast_adapter_dtype``; the export is then a bf16 folder).
 ``--device cuda``: the row on the GPU (the Trainer with ``bf16=True, tf32=True``; Lightning ``accelerator="gpu"``), each
 step's clock stopped after a CUDA synchronise, the GPU's peak allocated memory recorded.
 ``lightning``: the same model in a plain LightningModule (``labels=input_ids``, ``torch.optim.AdamW``), the way a
@@ -110,7 +112,8 @@ def load(args: argparse.Namespace, record: dict[str, Any]) -> Any:
 
     pl.seed_everything(42)
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    dtype = torch.bfloat16 if args.flags == "bf16base" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
     record["phases"]["model_load"] = time.perf_counter() - start
     start = time.perf_counter()
     if args.mode == "lora":
@@ -167,9 +170,9 @@ def run_trainer(args: argparse.Namespace, record: dict[str, Any]) -> None:
             if logs and "loss" in logs:
                 record["loss"].append(float(logs["loss"]))
 
-    bf16 = args.flags in ("speed", "memory", "compile") and native_bf16(args.device)
+    bf16 = args.flags in ("speed", "memory", "compile", "bf16base") and native_bf16(args.device)
     optim = {"default": "adamw_torch", "speed": "adamw_torch_fused", "memory": "adamw_torch_fused",
-             "compile": "adamw_torch_fused"}[args.flags]
+             "compile": "adamw_torch_fused", "bf16base": "adamw_torch_fused"}[args.flags]
     if args.flags == "memory" and args.mode == "full":
         optim = "adamw_torch_8bit"  # torchao's 8-bit AdamW (TrainingArguments' documented memory option)
     targs = TrainingArguments(
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="a model folder (benchmarks/model_folders.py)")
     parser.add_argument("--data-root", required=True, help="a folder of text files")
     parser.add_argument("--mode", choices=["lora", "full"], default="lora")
-    parser.add_argument("--flags", choices=["default", "speed", "memory", "compile"], default="speed")
+    parser.add_argument("--flags", choices=["default", "speed", "memory", "compile", "bf16base"], default="speed")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--block", type=int, default=512)
     parser.add_argument("--micro", type=int, default=4)
