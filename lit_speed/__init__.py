@@ -60,7 +60,7 @@ _EXPORTS = {
     "ExportModel": "lit_speed.finetune.export_callback",
     "export_merged": "lit_speed.finetune.export",
     "lower_frozen_base": "lit_speed.finetune.frozen_base",
-    "auto_base_dtype": "lit_speed.finetune.frozen_base",
+    "auto_base_dtype": "lit_speed.finetune.base_dtype_choice",
     "choose_base_compute": "lit_speed.finetune.frozen_base",
     "frozen_base_bytes": "lit_speed.finetune.frozen_base",
     "upcast_unlowered": "lit_speed.finetune.frozen_base",

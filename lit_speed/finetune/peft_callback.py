@@ -26,12 +26,11 @@ from lit_speed.finetune.adapters import (
     drop_frozen_from_optimizer,
     frozen_fingerprint,
 )
+from lit_speed.finetune.base_dtype_choice import AUTO, auto_base_dtype
 from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_after_fit
 from lit_speed.finetune.frozen_base import (
-    AUTO,
     BASE_DTYPES,
     COMPUTES,
-    auto_base_dtype,
     choose_base_compute,
     lower_frozen_base,
     set_base_compute,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lit_speed.finetune.adapters import add_adapters, frozen_fingerprint
+from lit_speed.finetune.base_dtype_choice import auto_base_dtype
 from lit_speed.finetune.frozen_base import (
-    auto_base_dtype,
     choose_base_compute,
     frozen_base_bytes,
     lower_frozen_base,
