@@ -223,6 +223,8 @@ def test_the_fit_check_reads_auto_as_the_runner_decides_it(make_cfg):
     assert configured_levers(make_cfg([*base, "precision=bf16-mixed"])).base_bf16
     assert not configured_levers(make_cfg([*base, "precision=32-true"])).base_bf16
     assert not configured_levers(make_cfg([*base, "precision=bf16-mixed", "peft.base_dtype=null"])).base_bf16
+    # ZeRO partitions the parameters itself: auto keeps the base as loaded there (explicit bf16 is refused: test_bad_input)
+    assert not configured_levers(make_cfg([*base, "precision=bf16-mixed", "strategy=zero2"])).base_bf16
 
 
 def _lora_gpt_like(module: GPTModule) -> GPTModule:
@@ -327,3 +329,30 @@ def test_lowering_a_base_read_without_a_copy_lets_go_of_the_files_mapping(tmp_pa
               if any(start <= t.data_ptr() < end for start, end in ranges)]
     assert inside == [] and not file_is_mapped()
     assert torch.equal(model.model.norm.weight, norm)  # copied, not changed
+
+
+@pytest.mark.parametrize("precision, held", [("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)])
+def test_the_runner_reads_a_bf16_folder_as_auto_holds_it(make_cfg, tmp_path, precision, held):
+    """peft.base_dtype=auto, decided before the weights load: model.load_dtype follows it (a bf16 folder read in bf16
+    under bf16-mixed, no float32 copy of the base; read in float32 under 32-true), and PEFTAdapters holds the same."""
+    import sysconfig
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from lit_speed.run.runner import build
+    from tests.helpers.tiny_hf import save_tiny_causal_lm
+
+    folder = save_tiny_causal_lm(tmp_path / "fp32", "qwen2", seed=3, max_positions=64)
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "bf16" / name).write_bytes((folder / name).read_bytes())
+    texts = Path(sysconfig.get_paths()["stdlib"]) / "json"
+    parts = build(make_cfg(["model=hf_causal_lm", "data=text_folder", f"model.pretrained={tmp_path / 'bf16'}",
+                            f"data.root={texts}", "data.block_size=32", "peft=lora", f"precision={precision}",
+                            "logger=none"]))
+    model = parts["model"]
+    assert bool(getattr(model, "loaded_low_precision", False)) == (held == torch.bfloat16)
+    assert model.model.model.embed_tokens.weight.dtype == held
+    adapters = next(cb for cb in parts["callbacks"] if isinstance(cb, PEFTAdapters))
+    assert adapters.base_dtype == (None if held == torch.float32 else "bf16")
