@@ -112,7 +112,7 @@ def load(args: argparse.Namespace, record: dict[str, Any]) -> Any:
 
     pl.seed_everything(42)
     start = time.perf_counter()
-    dtype = torch.bfloat16 if args.flags == "bf16base" else torch.float32
+    dtype = torch.bfloat16 if getattr(args, "flags", None) == "bf16base" else torch.float32  # sft_peers: no flags
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
     record["phases"]["model_load"] = time.perf_counter() - start
     start = time.perf_counter()
