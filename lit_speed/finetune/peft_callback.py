@@ -339,6 +339,8 @@ class PEFTAdapters(Callback):
         if self.base_dtype is not None:
             held = (f"{self.lowered.tensors} tensors, {self.lowered.saved_bytes / 2**20:,.1f} MiB saved"
                     if self.lowered is not None else "lowered when adapters are added")
+            if self.lowered is not None and not self.lowered.tensors and self.lowered.modules:  # a bf16 folder
+                held = f"{len(self.lowered.modules)} modules, read from the folder in {self.base_dtype}: nothing cast"
             compute = (f"{self.chosen_compute} ({self.compute_reason})" if self.chosen_compute else
                        f"{self.base_compute}" + (" (decided at fit start)" if self.base_compute == "auto" else ""))
             rows["frozen base"] = f"held in {self.base_dtype} ({held}); computed in {compute}"

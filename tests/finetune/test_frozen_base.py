@@ -356,3 +356,5 @@ def test_the_runner_reads_a_bf16_folder_as_auto_holds_it(make_cfg, tmp_path, pre
     assert model.model.model.embed_tokens.weight.dtype == held
     adapters = next(cb for cb in parts["callbacks"] if isinstance(cb, PEFTAdapters))
     assert adapters.base_dtype == (None if held == torch.float32 else "bf16")
+    row = adapters.describe().get("frozen base", "")
+    assert ("read from the folder in bf16: nothing cast" in row) == (held == torch.bfloat16), row
