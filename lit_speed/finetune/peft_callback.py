@@ -72,7 +72,7 @@ class PEFTAdapters(Callback):
             (:mod:`lit_speed.finetune.frozen_base`); ``None`` keeps it as loaded. With float32-weight precision modes
             only (``32-true``, ``bf16-mixed``, ``16-mixed``), not under ZeRO. ``auto``: ``bf16`` where the precision
             mode autocasts every frozen matmul to bf16 anyway (``bf16-mixed``), else as loaded
-            (:func:`~lit_speed.finetune.frozen_base.auto_base_dtype`; decided at setup, or by the runner from the
+            (:func:`~lit_speed.finetune.base_dtype_choice.auto_base_dtype`; decided at setup, or by the runner from the
             config before the weights load).
         base_compute: How the bf16/int8 base computes: ``fp32`` (each weight cast for its own matmul), ``bf16`` (native
             bf16 matmuls), or ``auto``: autocast's dtype under a mixed mode, else timed here

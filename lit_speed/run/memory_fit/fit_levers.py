@@ -76,11 +76,10 @@ def configured_base_dtype(facts: ConfigFacts) -> str | None:
 def configured_levers(cfg: DictConfig, facts: ConfigFacts | None = None) -> Levers:
     """The levers ``cfg`` has on, read from its :func:`~lit_speed.strategies.config_facts.config_facts`."""
     facts = facts or config_facts(cfg)
-    lora = facts.lora
+    lora, held = facts.lora, configured_base_dtype(facts)
     return Levers(chunked_loss=facts.chunked_loss is not None or cfg.model.get("loss_chunk_mib") is not None,
-                  checkpointing=facts.checkpointing,
-                  base_bf16=lora and configured_base_dtype(facts) == "bf16",
-                  base_int8=lora and configured_base_dtype(facts) == "int8", low_bit_states=facts.low_bit_states,
+                  checkpointing=facts.checkpointing, base_bf16=lora and held == "bf16",
+                  base_int8=lora and held == "int8", low_bit_states=facts.low_bit_states,
                   micro_batch=int(cfg.data.batch_size), lora=lora)
 
 
