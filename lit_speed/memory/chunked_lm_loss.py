@@ -107,30 +107,27 @@ class _Buffers:
         """The float32 and 16-bit buffers for a chunk of ``n`` tokens (contiguous views)."""
         return self.f32[:n], None if self.low is None else self.low[:n]
 
+    def vocab_major(self, n: int) -> torch.Tensor:
+        """``[vocab, n]`` in the compute dtype over the same memory (the 16-bit buffer, or the float32 one when the
+        compute dtype is float32): where a head cast slice by slice writes its output, no third buffer."""
+        store = self.f32 if self.low is None else self.low
+        return store.view(-1)[:store.shape[1] * n].view(store.shape[1], n)
+
 
 def _head(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt: torch.dtype,
-          slices: list[tuple[int, int]], weight_scale: torch.Tensor | None = None,
-          buffers: _Buffers | None = None) -> torch.Tensor:
-    """float32 logits ``h @ weight.T + bias`` with the matmul in ``cdt``, casting ``weight`` slice by slice (into
-    ``buffers`` where given)."""
+          slices: list[tuple[int, int]], buffers: _Buffers, weight_scale: torch.Tensor | None = None
+          ) -> torch.Tensor:
+    """float32 logits ``h @ weight.T + bias`` in ``buffers``, the matmul in ``cdt``, casting ``weight`` slice by
+    slice."""
     hc = h.to(cdt)
-    f32, low = buffers.rows(h.shape[0]) if buffers is not None else (None, None)
+    f32, low = buffers.rows(h.shape[0])
     if len(slices) == 1 and weight.dtype == cdt:
-        if f32 is None:
-            out = hc @ weight.t()
-            out = out.float() if out.dtype != torch.float32 else out
-        elif low is None:
-            out = torch.mm(hc, weight.t(), out=f32)
-        else:
-            out = f32.copy_(torch.mm(hc, weight.t(), out=low))
+        out = torch.mm(hc, weight.t(), out=f32) if low is None else f32.copy_(torch.mm(hc, weight.t(), out=low))
     else:  # vocabulary-major: each cast slice of the weight fills a contiguous block of rows, written in place
-        out_t = torch.empty(weight.shape[0], h.shape[0], dtype=cdt, device=h.device)
+        out_t = buffers.vocab_major(h.shape[0])
         for v0, v1 in slices:
             torch.mm(_rows(weight, v0, v1, cdt, weight_scale), hc.t(), out=out_t[v0:v1])
-        if cdt == torch.float32:
-            out = out_t.t()
-        else:
-            out = out_t.t().float() if f32 is None else f32.copy_(out_t.t())
+        out = out_t.t() if low is None else f32.copy_(out_t.t())
     if bias is not None:
         out += bias.float()
     return out
@@ -138,11 +135,11 @@ def _head(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt:
 
 def _chunk(h: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cdt: torch.dtype,
            slices: list[tuple[int, int]], scale: float, softcap: float | None, grad_scale: float | None,
-           grad_weight: torch.Tensor | None, want: tuple[bool, bool, bool], weight_scale: torch.Tensor | None = None,
-           buffers: _Buffers | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+           grad_weight: torch.Tensor | None, want: tuple[bool, bool, bool], buffers: _Buffers,
+           weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One chunk: the summed loss; with ``grad_scale``, the gradients ``want`` asks for: ``grad_h`` and the bias's
     (float32) returned, the weight's added into ``grad_weight`` (float32) in place."""
-    logits = _head(h, weight, bias, cdt, slices, weight_scale, buffers)
+    logits = _head(h, weight, bias, cdt, slices, buffers, weight_scale)
     if scale != 1.0:
         logits.mul_(scale)
     deriv = None
@@ -164,7 +161,7 @@ def _chunk(h: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor, bias: torch
         del deriv
     grad.mul_(grad_scale * scale)  # d loss / d (h @ W.T + b)
     grad_bias = grad.sum(dim=0) if want[2] else None
-    low = buffers.rows(len(tgt))[1] if buffers is not None else None
+    low = buffers.rows(len(tgt))[1]
     gc = grad.to(cdt) if low is None else low.copy_(grad)  # the logits' 16-bit buffer is free again
     grad_h = None
     if want[0] and len(slices) == 1 and weight.dtype == cdt:
@@ -202,11 +199,11 @@ def _run(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if grads[1] else None
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if grads[2] else None
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
-    buffers = _Buffers(min(step, count), weight.shape[0], cdt, h.device) if count > step else None
+    buffers = _Buffers(min(step, count), weight.shape[0], cdt, h.device)
     for start in range(0, count, step):
         rows = chosen[start:start + step]
         part, gh, gb = _chunk(h[rows], t[rows], weight, bias, cdt, slices, opts["scale"], opts["softcap"],
-                              grad_scale, grad_w, grads, opts.get("weight_scale"), buffers)
+                              grad_scale, grad_w, grads, buffers, opts.get("weight_scale"))
         loss += part
         if grad_h is not None and gh is not None:
             grad_h.index_add_(0, rows, gh)

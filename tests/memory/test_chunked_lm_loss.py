@@ -135,6 +135,24 @@ def test_the_logits_never_exist_whole_and_the_declared_cost_bounds_what_is_alloc
     assert chunked_loss_bytes(tokens, vocab, width, chunk_bytes=2**20) < logits_bytes / 8
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32-compute", "bf16-autocast"])
+def test_a_head_cast_slice_by_slice_stays_within_the_declared_cost_in_many_chunks(autocast):
+    """A head whose dtype is not the compute dtype (a bf16-held frozen head computed in float32, or a float32 head
+    under bf16 autocast) writes its vocabulary-major output into the chunk's own buffer, not beside it."""
+    torch.manual_seed(0)
+    tokens, vocab, width = 512, 8192, 32
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    weight = torch.randn(vocab, width)
+    weight = weight.requires_grad_() if autocast else weight.to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (tokens,))
+    compute = torch.bfloat16 if autocast else torch.float32
+    with LiveTensorTracker() as tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        chunked_lm_loss(hidden, weight, targets, chunk_bytes=2**20).backward()
+    declared = chunked_loss_bytes(tokens, vocab, width, chunk_bytes=2**20, compute=compute, weight_trains=autocast,
+                                  weight_dtype=weight.dtype)
+    assert tracker.peak_bytes <= declared, (tracker.peak_bytes, declared)
+
+
 def test_bad_arguments_are_refused_naming_them():
     hidden, weight, _, targets = _inputs()
     with pytest.raises(ValueError, match=r"chunked_lm_loss\(reduction='none'\): one of mean, sum"):
