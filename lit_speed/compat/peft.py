@@ -6,6 +6,7 @@ or other variant, no LoRA bias) and hands over what its merge needs; every other
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -46,29 +47,25 @@ def transpose_for(weight: Any, fan_in_fan_out: bool) -> Any:
     return transpose(weight, fan_in_fan_out)
 
 
-_SCALED_DOWN: dict[str, type] = {}
-
-
+@functools.cache
 def _scaled_down_class() -> type:
     """:class:`ScaledDownLoraLinear`'s class, made once when ``peft`` is first needed (it subclasses peft's Linear)."""
-    if "cls" not in _SCALED_DOWN:
-        from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import Linear as LoraLinear
 
-        def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            lora = plain_lora_linear(self)
-            if lora is None or self.disable_adapters or args or kwargs:  # peft's own forward for everything else
-                return LoraLinear.forward(self, x, *args, **kwargs)
-            self._check_forward_args(x)
-            result = self.base_layer(x)
-            if not torch.is_autocast_enabled(x.device.type):  # under autocast the matmul casts x itself, once
-                x = self._cast_input_dtype(x, lora.down.weight.dtype)
-            low = lora.down(self.lora_dropout[lora.adapter](x))
-            return (result + lora.up(low * lora.scaling)).to(result.dtype)
+    def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        lora = plain_lora_linear(self)
+        if lora is None or self.disable_adapters or args or kwargs:  # peft's own forward for everything else
+            return LoraLinear.forward(self, x, *args, **kwargs)
+        self._check_forward_args(x)
+        result = self.base_layer(x)
+        if not torch.is_autocast_enabled(x.device.type):  # under autocast the matmul casts x itself, once
+            x = self._cast_input_dtype(x, lora.down.weight.dtype)
+        low = lora.down(self.lora_dropout[lora.adapter](x))
+        return (result + lora.up(low * lora.scaling)).to(result.dtype)
 
-        _SCALED_DOWN["cls"] = type("ScaledDownLoraLinear", (LoraLinear,), {
-            "forward": forward, "__module__": __name__,
-            "__doc__": "peft's LoRA ``Linear`` scaling the rank-wide activation (see :func:`scale_lora_down`)."})
-    return _SCALED_DOWN["cls"]
+    return type("ScaledDownLoraLinear", (LoraLinear,), {
+        "forward": forward, "__module__": __name__,
+        "__doc__": "peft's LoRA ``Linear`` scaling the rank-wide activation (see :func:`scale_lora_down`)."})
 
 
 def scale_lora_down(model: nn.Module) -> int:
@@ -83,11 +80,9 @@ def scale_lora_down(model: nn.Module) -> int:
     merge are peft's: the class changes in place, as ``lit_speed.finetune.adapter_grad`` changes ``lora_B``'s.
     A layer that is not plain (merged, DoRA, several adapters, mixed-batch ``adapter_names``) runs peft's forward.
     """
-    cls = None
     count = 0
     for module in model.modules():
         if plain_lora_linear(module) is not None:
-            cls = cls or _scaled_down_class()
-            module.__class__ = cls
+            module.__class__ = _scaled_down_class()
             count += 1
     return count
