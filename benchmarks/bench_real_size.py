@@ -287,7 +287,8 @@ def run_row(name: str, spec: tuple, args: argparse.Namespace) -> dict[str, Any]:
     proc, timeline = run_sampled([*TIME_V, *cmd], env, out)
     wall = time.time() - start
     row: dict[str, Any] = {"name": name, "group": group, "model": model, "mode": mode, "r": r, "tool": kind,
-                           "command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": round(wall, 2), "sync_before_s": synced,
+                           "command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": round(wall, 2),
+                           "sync_before_s": synced,
                            **time_v(proc.stderr), "rss_timeline": timeline}
     if not TIME_V:  # no GNU time here: the largest of the 0.25 s samples
         row["peak_rss_bytes"], row["peak_rss_from"] = timeline["peak_mib"] * 2**20, "rss samples"

@@ -113,7 +113,8 @@ def run(name: str, cmd: list[str], out: Path) -> dict[str, Any]:
     synced = settle_disk()  # the previous row's export written out: not this row's writeback
     start = time.time()
     proc, timeline = run_sampled([*TIME_V, *cmd], env, out)
-    row: dict[str, Any] = {"name": name, "command": " ".join(cmd[1:]), "exit": proc.returncode, "sync_before_s": synced,
+    row: dict[str, Any] = {"name": name, "command": " ".join(cmd[1:]), "exit": proc.returncode,
+                           "sync_before_s": synced,
                            "wall_s": round(time.time() - start, 2), **time_v(proc.stderr),
                            "rss_peak_at_s": timeline["peak_at_s"], "rss_peak_anon_mib": timeline["peak_anon_mib"],
                            "rss_peak_file_mib": timeline["peak_file_mib"], "rss_mib_per_s": timeline["mib_per_s"]}
