@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -169,7 +170,19 @@ def run_variant(name: str, seed: int, steps: int | None, target: float, every_to
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not Path(out).exists():
             raise RuntimeError(f"{name} (seed {seed}) failed:\n{proc.stderr[-3000:]}")
-        return json.loads(Path(out).read_text())
+        result = json.loads(Path(out).read_text())
+        if name.startswith("lit_speed"):  # what this run measured and chose (the choices differ run to run)
+            result["choices"] = measured_choices(proc.stdout + proc.stderr)
+        return result
+
+
+#: the log lines of the preset's measured choices (``GuardedPrecision: precision=auto -> 32-true (timed ...)``)
+CHOICE_LINE = re.compile(r"^(?:GuardedPrecision|Muon|MuonAdamW): \S+ -> .*$", re.MULTILINE)
+
+
+def measured_choices(output: str) -> list[str]:
+    """The measured-choice lines a lit_speed run printed, in order."""
+    return CHOICE_LINE.findall(output)
 
 
 def first_reaching(out: dict[str, Any], target: float) -> dict[str, Any] | None:

@@ -107,3 +107,18 @@ def test_png_of_val_loss_against_wall_seconds_is_written(tmp_path: Path) -> None
     bench.plot({"lit_speed": [{"history": history}], "plain_lightning": [{"history": history[:2]}]}, 1.8,
                tmp_path / "race.png")
     assert (tmp_path / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_race_keeps_the_measured_choices_a_lit_speed_run_printed() -> None:
+    """Each lit_speed run's choices (timed at its start, different from run to run on near ties) go into the result:
+    the lines of the log that name a measured setting, nothing else."""
+    output = "\n".join([
+        "non-finite guard   fallback after 3 bad steps -> 32-true",  # the start-up table: not a measured choice
+        "GuardedPrecision: threads=auto -> 2 (timed here: 1 79.78 ms, 2 56.38 ms)",
+        "GuardedPrecision: precision=auto -> 32-true (timed this model's step on one micro-batch: 32-true 57.5 ms)",
+        "Epoch 0: loss 2.1",
+        "Muon: optimizer.ns_dtype -> bfloat16 (timed here: bfloat16 10.05 ms, float32 11.65 ms)",
+        "MuonAdamW: optimizer.adamw_kernel -> fused (timed here: fused 0.16 ms, foreach 0.40 ms)"])
+    assert [line.split(" -> ")[0] for line in bench.measured_choices(output)] == [
+        "GuardedPrecision: threads=auto", "GuardedPrecision: precision=auto", "Muon: optimizer.ns_dtype",
+        "MuonAdamW: optimizer.adamw_kernel"]
