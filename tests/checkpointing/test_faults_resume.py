@@ -25,6 +25,7 @@ from lit_speed.data.digits import DigitsDataModule  # noqa: E402
 from lit_speed.models.mlp import MLPClassifier  # noqa: E402
 from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal, max_abs_differences
 from tests.helpers.fault_scripts.runs import SHORT_RUN, STEPS_PER_EPOCH, explain, kill_at, train, train_side_by_side
+from tests.helpers.fault_scripts.trace_steps import judge_differing_resume, traced
 
 SIGKILLED = -9
 TOTAL_STEPS = 3 * STEPS_PER_EPOCH
@@ -68,16 +69,26 @@ def _assert_same_training_state(reference: Path, resumed: Path) -> None:
 def test_sigkill_at_a_random_step_then_resume_matches_the_uninterrupted_run(tmp_path, extra, kill_range, request):
     step = _kill_step(request.node.callspec.id, kill_range)
     args = SHORT_RUN + extra
-    reference, killed = train_side_by_side((args, tmp_path / "reference"), (args + kill_at(step), tmp_path / "run"))
+    # one process, no ZeRO: every run traced step by step, to judge a resume that differs (the trace reads the
+    # module's parameters and torch optimizers' state, which ZeRO partitions)
+    trace = not any(a.startswith(("strategy=zero", "trainer=ddp")) for a in extra)
+    run, ref = tmp_path / "run", tmp_path / "reference"
+    with_trace = traced if trace else (lambda a, d: a)
+    reference, killed = train_side_by_side((with_trace(args, ref), ref), (with_trace(args + kill_at(step), run), run))
     assert reference.returncode == 0, explain(reference)
     assert killed.returncode == SIGKILLED, explain(killed)
-    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    last = run / "checkpoints" / "last.ckpt"
     verify_checkpoint(last)
 
-    resumed = train(args + ["ckpt_path=last"], tmp_path / "run")
+    resumed = train(with_trace(args + ["ckpt_path=last"], run), run)
     assert resumed.returncode == 0, explain(resumed)
     assert f"Restored all states from the checkpoint at {last}" in resumed.stdout + resumed.stderr, explain(resumed)
-    _assert_same_training_state(tmp_path / "reference" / "checkpoints" / "last.ckpt", last)
+    try:
+        _assert_same_training_state(ref / "checkpoints" / "last.ckpt", last)
+    except AssertionError as difference:  # FloatSumsDiffer included: rerun once where the traces agree
+        if trace:
+            judge_differing_resume(run, ref, difference)
+        raise
 
 
 @pytest.mark.slow

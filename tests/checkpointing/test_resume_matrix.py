@@ -17,7 +17,6 @@ chosen mode's run is tested in ``tests/precision/test_step_timing.py``).
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ import torch
 
 from tests.helpers.fault_scripts.compare_checkpoints import assert_bitwise_equal
 from tests.helpers.fault_scripts.runs import ROOT, explain, kill_at, train, train_side_by_side
+from tests.helpers.fault_scripts.trace_steps import judge_differing_resume, traced
 
 CONF = ROOT / "conf"
 DEFAULTS = {"optimizer": "adamw", "precision": "32-true", "accumulation": "none", "peft": "none"}
@@ -94,7 +94,7 @@ KNOWN_OPEN = {"precision=16-mixed-sigkill": [pytest.mark.xfail(strict=False, rea
                   "open (2026-12-02): CI's slow tier (AMX Xeon, 2026-12-02 stop 56) ended the resumed run 2.94e-4 "
                   "(net.0.weight) from its twin in 18/24 tensors, both controls equal to the twin: the 16-mixed row's "
                   "symptom under bf16 autocast. 12 isolated runs and a session of the in-process DDP/ZeRO tests + "
-                  "every autocast row passed on a Zen4 (no AMX). The step trace (_judge_by_the_traces) names the "
+                  "every autocast row passed on a Zen4 (no AMX). The step trace (judge_differing_resume) names the "
                   "first differing batch and what differs in it, in CI's warnings summary"))],
               "experiment=charlm_cpu callbacks+=chunked_loss chunk_mib=auto-sigkill": [pytest.mark.xfail(
                   strict=False, reason="open (2026-12-02): in the same long local session (XA) the resumed run ended "
@@ -228,38 +228,9 @@ def test_killed_run_resumes_bitwise_like_the_uninterrupted_run(tmp_path: Path, a
     try:
         assert_bitwise_equal(tmp_path / "reference" / "checkpoints" / "last.ckpt", last)
     except AssertionError as difference:  # FloatSumsDiffer included
-        _judge_by_the_traces(tmp_path, difference)
+        judge_differing_resume(tmp_path / "run", tmp_path / "reference", difference)
         _skip_where_uninterrupted_runs_differ(twin_args, tmp_path, difference)
         raise
-
-
-def traced(args: list[str], run_dir: Path) -> list[str]:
-    """``args`` with :class:`~tests.helpers.fault_scripts.trace_steps.TraceSteps` writing ``<run_dir>.trace.jsonl``."""
-    return [*args, "+callbacks.trace._target_=tests.helpers.fault_scripts.trace_steps.TraceSteps",
-            f"+callbacks.trace.path={run_dir.with_name(run_dir.name + '.trace.jsonl')}"]
-
-
-def _judge_by_the_traces(tmp_path: Path, difference: AssertionError) -> None:
-    """A resumed run that differs, judged batch by batch against its twin (:func:`~tests.helpers.fault_scripts.
-    trace_steps.first_divergence`): inputs that differ at the first differing batch fail the row naming them (a
-    resume bug, however small its effect); inputs equal bit for bit with another loss or result skip it, naming the
-    machine and the batch (the same computation gave two results here: no resume can be judged bitwise on it).
-    Traces that agree everywhere leave the judgement to the controls."""
-    from lit_speed.tuning.machine_cache import hardware
-    from tests.helpers.fault_scripts.trace_steps import first_divergence, read_trace
-
-    processes = read_trace(tmp_path / "run.trace.jsonl")
-    assert len(processes) == 2, f"the stopped and the resumed run traced {len(processes)} processes, not 2"
-    verdict = first_divergence(*processes, read_trace(tmp_path / "reference.trace.jsonl")[0])
-    if verdict is None:
-        return
-    kind, where = verdict
-    # said as a warning too: CI's log shows the warnings summary, not an expected failure's message
-    warnings.warn(f"resume matrix, {tmp_path.name}: the first batch that differs says {kind}: {where}", stacklevel=2)
-    if kind == "resume":
-        raise AssertionError(f"{difference}; the resumed run restored something else: {where}") from difference
-    pytest.skip(f"this machine ({hardware()}) does not repeat the run bit for bit: {where}; so the resumed run's "
-                f"difference cannot be judged ({difference})")
 
 
 def _skip_where_uninterrupted_runs_differ(args: list[str], tmp_path: Path, difference: AssertionError) -> None:
@@ -321,28 +292,3 @@ def test_a_differing_resume_is_skipped_only_where_two_uninterrupted_runs_differ(
         except pytest.skip.Exception as skipped:
             pytest.fail(f"skipped although the uninterrupted runs repeat: {skipped}")
     assert sorted(p.name for p in ran) == ["control1", "control2"]
-
-
-@pytest.mark.parametrize("verdict", ["none", "resume", "machine"])
-def test_a_differing_resume_fails_or_skips_as_its_trace_says(tmp_path: Path, verdict: str) -> None:
-    """The traces' three outcomes, without training: an input the resume restored differently fails naming it, equal
-    inputs with another loss skip naming the machine and the batch, traces that agree leave it to the controls."""
-    import json
-
-    from tests.checkpointing.test_trace_steps import RESUMED, STOPPED, TWIN, _record
-
-    resumed = {"none": RESUMED, "resume": [_record(2, 3, 3, torch_rng="other"), *RESUMED[1:]],
-               "machine": [_record(2, 3, 3, loss="x"), *RESUMED[1:]]}[verdict]
-    for name, records in (("run", [*STOPPED, *resumed]), ("reference", TWIN)):
-        (tmp_path / f"{name}.trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    difference = AssertionError("18/24 tensors differ from the uninterrupted run")
-    if verdict == "none":
-        assert _judge_by_the_traces(tmp_path, difference) is None
-    elif verdict == "resume":
-        with pytest.raises(AssertionError, match=r"18/24 .*restored something else: at the resumed run's epoch 0 "
-                                                 r"batch 3 .*: torch_rng"):
-            _judge_by_the_traces(tmp_path, difference)
-    else:
-        with pytest.raises(pytest.skip.Exception, match=r"does not repeat the run bit for bit: at the resumed run's "
-                                                        r"epoch 0 batch 3 .*loss is not .*cannot be judged .*18/24"):
-            _judge_by_the_traces(tmp_path, difference)

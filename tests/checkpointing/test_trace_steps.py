@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.fault_scripts.trace_steps import INPUTS, OUTPUTS, digest, first_divergence, read_trace
+from tests.helpers.fault_scripts.trace_steps import (
+    INPUTS,
+    OUTPUTS,
+    digest,
+    first_divergence,
+    judge_differing_resume,
+    read_trace,
+)
 
 
 def test_digest_sees_one_ulp_the_dtype_and_strings_but_not_reasons() -> None:
@@ -80,6 +87,29 @@ def test_read_trace_splits_the_file_by_process(tmp_path: Path) -> None:
     assert read_trace(path) == [STOPPED, RESUMED]
 
 
+@pytest.mark.parametrize("verdict", ["none", "resume", "machine"])
+def test_a_differing_resume_fails_or_skips_as_its_trace_says(tmp_path: Path, verdict: str) -> None:
+    """The traces' three outcomes, without training: an input the resume restored differently fails naming it, equal
+    inputs with another loss skip naming the machine and the batch, traces that agree leave it to the controls."""
+    import json
+
+    resumed = {"none": RESUMED, "resume": [_record(2, 3, 3, torch_rng="other"), *RESUMED[1:]],
+               "machine": [_record(2, 3, 3, loss="x"), *RESUMED[1:]]}[verdict]
+    for name, records in (("run", [*STOPPED, *resumed]), ("reference", TWIN)):
+        (tmp_path / f"{name}.trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    difference = AssertionError("18/24 tensors differ from the uninterrupted run")
+    if verdict == "none":
+        assert judge_differing_resume(tmp_path / "run", tmp_path / "reference", difference) is None
+    elif verdict == "resume":
+        with pytest.raises(AssertionError, match=r"18/24 .*restored something else: at the resumed run's epoch 0 "
+                                                 r"batch 3 .*: torch_rng"):
+            judge_differing_resume(tmp_path / "run", tmp_path / "reference", difference)
+    else:
+        with pytest.raises(pytest.skip.Exception, match=r"does not repeat the run bit for bit: at the resumed run's "
+                                                        r"epoch 0 batch 3 .*loss is not .*cannot be judged .*18/24"):
+            judge_differing_resume(tmp_path / "run", tmp_path / "reference", difference)
+
+
 @pytest.mark.slow
 def test_the_trace_names_the_rng_of_a_resume_that_does_not_restore_it(tmp_path: Path) -> None:
     """A real resume bug, made on purpose: the resumed run does not restore the RNG states (FaultTolerance's
@@ -87,8 +117,9 @@ def test_the_trace_names_the_rng_of_a_resume_that_does_not_restore_it(tmp_path: 
     the resume; a proper resume of the same stopped run traces batch for batch like the twin."""
     import shutil
 
-    from tests.checkpointing.test_resume_matrix import DIGITS, traced
+    from tests.checkpointing.test_resume_matrix import DIGITS
     from tests.helpers.fault_scripts.runs import explain, kill_at, train, train_side_by_side
+    from tests.helpers.fault_scripts.trace_steps import traced
 
     stopped = train(traced(DIGITS + kill_at(13), tmp_path / "run"), tmp_path / "run")
     assert stopped.returncode == -9, explain(stopped)

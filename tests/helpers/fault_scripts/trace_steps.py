@@ -188,3 +188,35 @@ def first_divergence(stopped: list[dict[str, Any]], resumed: list[dict[str, Any]
                                    f"{', '.join(after)} after the batch are not: the same backward and optimizer step "
                                    "computed differently")
     return None
+
+
+def traced(args: list[str], run_dir: Path) -> list[str]:
+    """``args`` with :class:`TraceSteps` writing ``<run_dir>.trace.jsonl`` beside the run's folder."""
+    return [*args, "+callbacks.trace._target_=tests.helpers.fault_scripts.trace_steps.TraceSteps",
+            f"+callbacks.trace.path={run_dir.with_name(run_dir.name + '.trace.jsonl')}"]
+
+
+def judge_differing_resume(run_dir: Path, twin_dir: Path, difference: AssertionError) -> None:
+    """A stopped-then-resumed run (both traced into ``run_dir``'s trace) whose checkpoint differs from its traced
+    uninterrupted twin's, judged by :func:`first_divergence`: inputs that differ at the first differing batch raise
+    (a resume bug, named, however small its effect); inputs equal bit for bit with another loss or result skip the
+    test, naming the machine and the batch (the same computation gave two results here: no resume can be judged
+    bitwise on it). Returns when the traces agree everywhere (the caller judges by other means). The verdict is
+    also a warning: CI's log shows the warnings summary, not an expected failure's message."""
+    import warnings
+
+    import pytest
+
+    from lit_speed.tuning.machine_cache import hardware
+
+    processes = read_trace(run_dir.with_name(run_dir.name + ".trace.jsonl"))
+    assert len(processes) == 2, f"the stopped and the resumed run traced {len(processes)} processes, not 2"
+    verdict = first_divergence(*processes, read_trace(twin_dir.with_name(twin_dir.name + ".trace.jsonl"))[0])
+    if verdict is None:
+        return
+    kind, where = verdict
+    warnings.warn(f"{run_dir.parent.name}: the first batch that differs says {kind}: {where}", stacklevel=2)
+    if kind == "resume":
+        raise AssertionError(f"{difference}; the resumed run restored something else: {where}") from difference
+    pytest.skip(f"this machine ({hardware()}) does not repeat the run bit for bit: {where}; so the resumed run's "
+                f"difference cannot be judged ({difference})")
