@@ -3,16 +3,17 @@
 A resumed run whose final checkpoint differs from the uninterrupted run's says *that* they differ, not *why*: a resume
 that restored something wrongly (the batch, the dropout RNG, a weight, the optimizer or loss-scale state) and a
 machine that computed the same step differently end alike. :class:`TraceSteps` writes, for every training batch, a
-digest of everything that batch's computation reads (the batch, the RNG states, the model's parameters, buffers and
-gradients, the optimizer state and hyperparameters, the precision plugin's state, the thread count and module modes),
-the loss it computed and a digest of the weights after it (the gradients are read just before the backward
-that adds to them). :func:`first_divergence` then walks the resumed process's
-batches beside the twin's: the first batch whose inputs differ is a resume bug (named by what differs); a first batch
-whose inputs are bit-for-bit the twin's and whose loss or result is not is the machine computing the same step twice
-differently, which no resume can prevent.
+digest of everything that batch's computation reads (:data:`INPUTS`: the batch, the RNG states, the model's
+parameters and buffers, the gradients just before the backward adds to them, the optimizer state and
+hyperparameters, the precision plugin's state, the thread count and module modes), the loss it computed and the
+digests of what it leaves (:data:`OUTPUTS`). :func:`first_divergence` walks the stopped run's batches, then the
+resumed run's, beside the twin's: the first batch of the resumed run whose inputs differ is a resume bug (named by
+what differs); a first batch whose inputs are bit for bit the twin's and whose loss or result is not is the machine
+computing the same step twice differently, which no resume can prevent. :func:`judge_differing_resume` turns that
+into a failure or a skip for a test.
 
-Added to a run through Hydra: ``+callbacks.trace._target_=tests.helpers.fault_scripts.trace_steps.TraceSteps
-+callbacks.trace.path=<file>`` (one JSON line per batch, appended: a stopped run and its resume share the file).
+Added to a run through Hydra (:func:`traced`): ``+callbacks.trace._target_=tests.helpers.fault_scripts.trace_steps.
+TraceSteps +callbacks.trace.path=<file>`` (one JSON line per batch, appended: a stopped run and its resume share it).
 """
 from __future__ import annotations
 
