@@ -191,10 +191,15 @@ def first_divergence(stopped: list[dict[str, Any]], resumed: list[dict[str, Any]
     return None
 
 
+def trace_path(run_dir: Path) -> Path:
+    """Where :func:`traced` has a run in ``run_dir`` write its trace: ``<run_dir>.trace.jsonl`` beside the folder."""
+    return run_dir.with_name(run_dir.name + ".trace.jsonl")
+
+
 def traced(args: list[str], run_dir: Path) -> list[str]:
-    """``args`` with :class:`TraceSteps` writing ``<run_dir>.trace.jsonl`` beside the run's folder."""
+    """``args`` with :class:`TraceSteps` writing :func:`trace_path` of ``run_dir``."""
     return [*args, "+callbacks.trace._target_=tests.helpers.fault_scripts.trace_steps.TraceSteps",
-            f"+callbacks.trace.path={run_dir.with_name(run_dir.name + '.trace.jsonl')}"]
+            f"+callbacks.trace.path={trace_path(run_dir)}"]
 
 
 def judge_differing_resume(run_dir: Path, twin_dir: Path, difference: AssertionError) -> None:
@@ -210,9 +215,9 @@ def judge_differing_resume(run_dir: Path, twin_dir: Path, difference: AssertionE
 
     from lit_speed.tuning.machine_cache import hardware
 
-    processes = read_trace(run_dir.with_name(run_dir.name + ".trace.jsonl"))
+    processes = read_trace(trace_path(run_dir))
     assert len(processes) == 2, f"the stopped and the resumed run traced {len(processes)} processes, not 2"
-    verdict = first_divergence(*processes, read_trace(twin_dir.with_name(twin_dir.name + ".trace.jsonl"))[0])
+    verdict = first_divergence(*processes, read_trace(trace_path(twin_dir))[0])
     if verdict is None:
         return
     kind, where = verdict
