@@ -6,9 +6,12 @@ On a Zen5 (torch 2.13, 2 threads) the CPU flash kernel's backward in bf16 took 2
 12 x 4 heads x 64 x 32 attention (its forward 0.41 ms): 45% of the 0.8M-parameter GPT's step. With the math
 kernel that step took 19 ms instead of 24.5 ms in bf16-mixed, while in float32 flash was the faster (28.5 vs
 32 ms): which kernel is faster depends on the dtype, the shapes and the CPU. ``attention="auto"`` times this
-model's step with torch's pick and with the math kernel, in the precision mode the run uses (after
-``precision=auto`` has chosen it), keeps torch's pick unless math is faster by the tuning margin, caches the
-timings per machine and checkpoints the choice (a resume keeps it). The kernels compute the same attention; their
+model's step with torch's pick and with the math kernel, in the precision mode the run uses, keeps torch's pick
+unless math is faster by the tuning margin, caches the timings per machine and checkpoints the choice (a resume
+keeps it). When ``precision=auto`` times its modes too, each mode is timed with both kernels in one interleaved
+timing and the (mode, kernel) pair is chosen together: timed apart, each choice sees the other's first guess
+(Zen4, charlm: the modes tied with torch's kernel, 32-true 50.7 ms and bf16-master 48.8 ms a step, while
+bf16-master with math took 35.9 ms). The kernels compute the same attention; their
 summation order differs, as between any two kernels.
 
 The math kernel materialises the ``L x S`` attention probabilities and autograd keeps them for the backward: at
@@ -19,7 +22,7 @@ it when the step's calls would keep more than
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, Sequence
 
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -71,12 +74,29 @@ class AttentionChoice:
             "default", "kept torch's pick"), trainer)
         rank_zero_info(f"GuardedPrecision: attention=auto -> {self.shown()} ({self.reason})")
 
+    def with_modes(self, module: Any, batch: Any, modes: Sequence[str], device: Any) -> list[str]:
+        """``precision=auto``'s candidate modes, each also with the math kernel while this setting is ``auto`` and
+        undecided (:func:`~lit_speed.precision.step_timing.with_math_attention`): the two are timed together."""
+        from lit_speed.precision.step_timing import with_math_attention
+
+        return with_math_attention(module, batch, modes, device) if self.pending else list(modes)
+
+    def take_joint(self, chosen: str, reason: str) -> str:
+        """The mode of ``precision=auto``'s decision ``chosen``; a ``"<mode>+<kernel>"`` one decides the kernel too."""
+        mode, joint, kernel = chosen.partition("+")
+        if joint:
+            self.chosen, self.pending = kernel, False
+            self.reason = f"timed together with the precision modes: {reason}"
+            rank_zero_info(f"GuardedPrecision: attention=auto -> {self.shown()} (timed with precision=auto's modes)")
+        return mode
+
     def shown(self) -> str:
         return "torch's pick" if self.chosen == "default" else f"{self.chosen} kernel"
 
     def describe(self) -> str:
         if self.pending:
-            return "auto: times this model's step with torch's pick and the math kernel on the first training batch"
+            return ("auto: times this model's step with torch's pick and the math kernel on the first training batch "
+                    "(in each mode precision=auto times, when it times them)")
         return f"{self.shown()} ({self.reason})"
 
     def state_dict(self) -> dict[str, Any]:

@@ -279,21 +279,25 @@ class GuardedPrecision(GuardReport, Precision):
         """``auto`` on a CPU with native bf16: time the candidate modes on copies of the model with this (the
         first) training batch, keep the fastest, and switch to it before the batch is trained on. Rank 0 times
         for every process. Nothing of the run is touched: the model is copied, no batch is drawn, and the RNG
-        states training sees are restored (:func:`~lit_speed.precision.step_timing.auto_mode_for`)."""
+        states training sees are restored (:func:`~lit_speed.precision.step_timing.auto_mode_for`). With
+        ``attention=auto``, each mode is timed with either kernel and the pair decided together."""
         trainer, candidates = self._trainer, self._timing_candidates
         assert trainer is not None and candidates is not None
         self._timing_candidates = None
 
         def time_modes() -> tuple[str, str]:
-            rule = self.reason.split("; times ", 1)[0]
-            decided = auto_mode_for(trainer.lightning_module, batch, candidates, trainer.strategy.root_device)
-            if decided is None or decided[0] not in candidates:
-                decided = (self._resolve(self.device_type or "cpu", probe=True)[0],
-                           f"{rule}; {decided[1] if decided else 'could not time this model on its batch'}")
-            return decided
+            module, device = trainer.lightning_module, trainer.strategy.root_device
+            timed = self.attention.with_modes(module, batch, candidates, device)
+            decided = auto_mode_for(module, batch, timed, device)
+            if decided is None or decided[0] not in timed:
+                rule = self.reason.split("; times ", 1)[0]
+                return (self._resolve(self.device_type or "cpu", probe=True)[0],
+                        f"{rule}; {decided[1] if decided else 'could not time this model on its batch'}")
+            joint = len(timed) > len(candidates) and "+" not in decided[0]  # the kernel was timed too: torch's won
+            return (f"{decided[0]}+default" if joint else decided[0], decided[1])
 
-        mode, self.reason = on_rank_zero(time_modes, trainer)
-        self._switch_to(mode)
+        chosen, self.reason = on_rank_zero(time_modes, trainer)
+        self._switch_to(self.attention.take_joint(chosen, self.reason))
         self._start_mode = self.mode
         rank_zero_info(f"GuardedPrecision: precision=auto -> {self.mode} ({self.reason})")
 

@@ -110,6 +110,7 @@ class _ModeRun:
     """One candidate mode: its own copy of the model, optimizer and (``bf16-master``) float32 masters."""
 
     def __init__(self, base: nn.Module, mode: str, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> None:
+        mode, _, self.kernel = mode.partition("+")  # "<mode>+math": the math attention kernel (with_math_attention)
         spec = mode_table.spec(mode)
         self.model = copy.deepcopy(base)
         self.device_type = next(self.model.parameters()).device.type
@@ -128,7 +129,7 @@ class _ModeRun:
         self.finite = True
 
     def step(self, batch: Any) -> None:
-        with self.context():
+        with self.context(), sdpa_kernel([SDPBackend.MATH]) if self.kernel == "math" else nullcontext():
             loss = self.loss_fn(self.model, self.convert(batch))
         if not torch.isfinite(loss.detach()).all():
             self.finite = False
@@ -337,6 +338,24 @@ class CountAttention(TorchFunctionMode):
 
     def math_saved_bytes(self) -> int:
         return 8 * self.scores
+
+
+def with_math_attention(module: nn.Module, batch: Any, modes: Sequence[str], device: torch.device | None = None,
+                        cap: int = MATH_SAVED_CAP) -> list[str]:
+    """``modes`` and each of them with the math attention kernel (``"<mode>+math"``), for ``precision=auto`` and
+    ``attention=auto`` timed together: which kernel is faster depends on the dtype (Zen4, charlm: bf16-master with
+    torch's pick 49.6 ms a step, with math 35.9, 32-true 50.7), so a mode timed with one kernel is not the mode's
+    speed. Only ``modes`` when the step calls no ``scaled_dot_product_attention``, math would keep more than
+    ``cap`` bytes of scores, or a forward cannot run here (:func:`choose_attention` then decides alone)."""
+    try:
+        with preserved_rng_states(), warnings.catch_warnings(), torch.no_grad(), CountAttention() as seen:
+            warnings.simplefilter("ignore")
+            _loss_of(_detached_copy(module), _as_step_input(module, batch, device))
+    except Exception:  # noqa: BLE001 - a step this forward cannot run: the kernel is timed on its own later
+        return list(modes)
+    if not seen.calls or seen.math_saved_bytes() > cap:
+        return list(modes)
+    return [*modes, *(f"{m}+math" for m in modes)]
 
 
 def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: torch.device | None = None,

@@ -11,8 +11,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lit_speed import GuardedPrecision
 from lit_speed.models.gpt import GPT
 from lit_speed.precision.attention_choice import AttentionChoice
-from lit_speed.precision.step_timing import CountAttention, choose_attention
-from lit_speed.tuning import Decision
+from lit_speed.precision import step_timing
+from lit_speed.precision.step_timing import CountAttention, choose_attention, with_math_attention
+from lit_speed.tuning import Decision, machine_cache
 
 
 def test_a_bad_attention_setting_is_refused_naming_it_and_the_fix():
@@ -131,3 +132,57 @@ def test_without_the_setting_torch_picks_and_nothing_is_saved(tmp_path):
     _fit(tmp_path, plugin, 2, module)
     assert module.flash_enabled == [True, True] and "attention" not in plugin.describe()
     assert "attention" not in torch.load(tmp_path / "last.ckpt", weights_only=True)["GuardedPrecision"]
+
+
+# ---- precision=auto and attention=auto: the (mode, kernel) pairs timed together, once ------------------------------
+
+MODES = ("32-true", "bf16-master", "bf16-mixed")
+
+
+def test_each_mode_is_also_a_candidate_with_math_where_the_step_calls_attention():
+    module = TinyGPT()
+    batch = next(iter(module.train_dataloader()))
+    rng = torch.get_rng_state()
+    assert with_math_attention(module, batch, MODES) == [*MODES, "32-true+math", "bf16-master+math", "bf16-mixed+math"]
+    assert torch.equal(rng, torch.get_rng_state()) and module.flash_enabled == []  # counted on a copy
+    assert with_math_attention(module, batch, MODES, cap=1024) == list(MODES)  # math would keep too much
+    assert with_math_attention(LinearLoss(), torch.randn(2, 4), MODES) == list(MODES)  # no attention
+    assert with_math_attention(LinearLoss(), "not a batch", MODES) == list(MODES)  # a forward that cannot run
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "bf16-mixed+math"])
+def test_a_math_candidate_s_step_runs_the_math_kernel_in_its_mode(name):
+    module = TinyGPT()
+    run = step_timing._ModeRun(module, name, step_timing._loss_of)
+    run.step(next(iter(module.train_dataloader())))
+    assert run.model.flash_enabled == [not name.endswith("+math")]
+    assert torch.backends.cuda.flash_sdp_enabled()  # only inside the step
+
+
+@pytest.mark.parametrize(("winner", "mode", "kernel"), [("bf16-master+math", "bf16-master", "math"),
+                                                        ("bf16-mixed", "bf16-mixed", "default")])
+def test_auto_precision_and_auto_attention_are_decided_by_one_timing_applied_and_saved(
+        tmp_path, monkeypatch, winner, mode, kernel):
+    """Both ``auto``: one interleaved timing of every (mode, kernel) pair decides both; the kernel is not timed again
+    on its own, the run trains in the pair, and the checkpoint holds both (a resume keeps them, tested above)."""
+    monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(machine_cache, "_IN_PROCESS", {})
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("lit_speed.precision.guarded_precision.measure_slowdown", lambda dtype: 0.5)
+    timed: list[tuple[str, ...]] = []
+
+    def sample(base, batch, names, steps, budget_s, loss_fn):
+        timed.append(tuple(names))
+        return {n: [0.001 if n == winner else 0.002] * 3 for n in names}
+
+    monkeypatch.setattr(step_timing, "_sample_interleaved", sample)
+    monkeypatch.setattr(step_timing, "choose_attention", lambda *a, **k: pytest.fail("timed with the modes already"))
+    plugin, module = GuardedPrecision("auto", attention="auto"), TinyGPT()
+    _fit(tmp_path, plugin, 2, module)
+    assert timed == [(*MODES, *(f"{m}+math" for m in MODES))]
+    assert (plugin.mode, plugin.attention.chosen) == (mode, kernel)
+    assert plugin.attention.reason.startswith("timed together with the precision modes: timed this model's step")
+    assert f"{winner} 1.0 ms" in plugin.reason
+    assert module.flash_enabled == [kernel == "default"] * 2
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["GuardedPrecision"]
+    assert saved["attention"] == kernel
