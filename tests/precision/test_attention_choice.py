@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lit_speed import GuardedPrecision
 from lit_speed.models.gpt import GPT
-from lit_speed.precision.attention_choice import AttentionChoice
 from lit_speed.precision import step_timing
+from lit_speed.precision.attention_choice import AttentionChoice
 from lit_speed.precision.step_timing import CountAttention, choose_attention, with_math_attention
 from lit_speed.tuning import Decision, machine_cache
 
