@@ -11,7 +11,9 @@ any other adapter layer by ``peft`` itself on such a copy, and the folder is wri
 export never holds a second copy of the model: at 0.5-1B parameters a whole merged copy costs as much memory as
 the weights. The trained module is left exactly as it was (adapters, precision, activation checkpointing); its
 ``state_dict()`` values are used in float32 (bf16-master's masters; a bf16-held frozen base's values, exactly, and
-an int8-held one's dequantized values, plus the adapters' float32 update).
+an int8-held one's dequantized values, plus the adapters' float32 update). ``dtype="auto"`` then writes a Hugging
+Face model in the dtype its folder declares (a bf16 folder: bf16, each merged value rounded once), ``"float32"``
+the merge as it is.
 """
 from __future__ import annotations
 
@@ -81,6 +83,48 @@ def _float32(tensor: torch.Tensor, scales: dict[int, torch.Tensor] | None = None
     if scales and id(tensor) in scales:
         return dequantized(tensor.detach(), scales[id(tensor)], torch.float32)
     return tensor.detach().float() if tensor.is_floating_point() else tensor.detach()
+
+
+#: ``export_dtype``: ``auto`` writes a Hugging Face model in the dtype its folder declares (``torch_dtype`` of the
+#: ``config.json`` it was loaded from: what the user started from and will serve), anything else in float32.
+EXPORT_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_export_dtype(owner: str, value: str) -> str:
+    """``value`` when it is one of :data:`EXPORT_DTYPES`, else a ValueError naming the setting and the fix."""
+    if value not in EXPORT_DTYPES:
+        raise ValueError(f"{owner}(export_dtype={value!r}): must be one of {', '.join(EXPORT_DTYPES)}. Fix: "
+                         "export_dtype=auto (the dtype of the folder the model was loaded from, else float32), or "
+                         "export_dtype=float32 (the merge's float32 values, unrounded)")
+    return value
+
+
+def folder_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype the ``config.json`` that ``model`` was loaded from declares (a local folder, or a hub id already in
+    the Hugging Face cache); None when there is no such file or it names no floating dtype. The loaded model's own
+    ``config.dtype`` says how it was read (float32 under lit_speed's loader), not what the folder holds."""
+    source = str(getattr(getattr(model, "config", None), "name_or_path", "") or "")
+    if not source:
+        return None
+    path = Path(source).expanduser() / "config.json"
+    try:
+        if not path.is_file():
+            from transformers.utils import cached_file
+
+            path = Path(cached_file(source, "config.json", local_files_only=True))  # raises OSError when absent
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError, ImportError):  # not a folder or a cached hub id: no declared dtype
+        return None
+    stored = fields.get("dtype") or fields.get("torch_dtype")
+    return EXPORT_DTYPES.get(str(stored)) if stored != "auto" else None
+
+
+def resolve_export_dtype(model: nn.Module, dtype: str | torch.dtype = "auto") -> torch.dtype:
+    """The dtype :func:`write_hf_folder` writes ``model`` in: ``dtype`` when named, for ``"auto"`` its folder's
+    declared dtype (:func:`folder_dtype`), else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return EXPORT_DTYPES[check_export_dtype("export_merged", dtype)] or folder_dtype(model) or torch.float32
 
 
 def _export_items(module: nn.Module) -> Iterator[tuple[str, torch.Tensor | nn.Module]]:
@@ -175,10 +219,11 @@ EXPORT_SHARD_BYTES = 512 * 2**20
 
 
 def write_hf_folder(model: nn.Module, folder: str | Path, tokenizer: object | None = None,
-                    max_shard_bytes: int = EXPORT_SHARD_BYTES) -> Path:
-    """Write a Hugging Face model (adapters merged, float32) as ``save_pretrained`` would, shard by shard.
+                    max_shard_bytes: int = EXPORT_SHARD_BYTES, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a Hugging Face model (adapters merged in float32, then written in ``dtype``: one rounding of each merged
+    value) as ``save_pretrained`` would, shard by shard.
 
-    ``config.json`` (dtype float32), ``generation_config.json`` when the model has one, ``model.safetensors`` (or
+    ``config.json`` (its dtype ``dtype``), ``generation_config.json`` when the model has one, ``model.safetensors`` (or
     numbered shards and ``model.safetensors.index.json`` above ``max_shard_bytes``) and the tokenizer. The
     output embedding is left out when the config ties it to the input embedding, as ``save_pretrained`` does.
     """
@@ -187,7 +232,7 @@ def write_hf_folder(model: nn.Module, folder: str | Path, tokenizer: object | No
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(model.config)
-    config.dtype = torch.float32
+    config.dtype = dtype
     config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
@@ -210,6 +255,8 @@ def write_hf_folder(model: nn.Module, folder: str | Path, tokenizer: object | No
         for key, value in group.items():
             if key in skipped:
                 continue  # tied to the input embedding: from_pretrained ties it again
+            if value.is_floating_point() and value.dtype != dtype:
+                value = value.to(dtype)  # round to nearest even, once, from the float32 merge
             nbytes = value.numel() * value.element_size()
             if size and size + nbytes > max_shard_bytes:
                 flush()
@@ -264,8 +311,8 @@ EXPORT_FORMATS = ("auto", "hf", "state_dict")
 
 
 def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: object | None = None,
-                  format: str = "auto") -> dict[str, str]:
-    """Write ``model`` with its adapters merged, in float32, in one format.
+                  format: str = "auto", dtype: str = "auto") -> dict[str, str]:
+    """Write ``model`` with its adapters merged (in float32), in one format and ``dtype``.
 
     Args:
         model: A module with (or without) ``peft`` adapters: a LightningModule or a plain ``nn.Module``.
@@ -274,6 +321,9 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: object | Non
         format: ``"hf"``: a ``save_pretrained`` folder per Hugging Face child (``hf/`` for a child named
             ``model``, else ``hf_<name>/``); ``"state_dict"``: ``model.pt``, a state_dict with ``model``'s keys;
             ``"auto"``: ``hf`` when ``model`` holds a Hugging Face model, else ``state_dict``.
+        dtype: One of :data:`EXPORT_DTYPES`: ``"auto"`` writes a Hugging Face model in the dtype of the folder it was
+            loaded from (a bf16 folder gives a bf16 folder, as ``merge_and_unload`` + ``save_pretrained`` of a model
+            loaded in bf16 does, rounded once from the float32 merge), anything else in float32.
 
     Returns:
         ``{"hf": folder}`` or ``{"state_dict": path}``: what was written.
@@ -295,7 +345,7 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: object | Non
         written = {}
         for name, child in children:
             key = "hf" if name == "model" else f"hf_{name}"
-            written[key] = str(write_hf_folder(child, out / key, tokenizer))
+            written[key] = str(write_hf_folder(child, out / key, tokenizer, dtype=resolve_export_dtype(child, dtype)))
         return written
     # contiguous clones: tied weights become two equal tensors, which torch.load(weights_only=True) reads anywhere
     state = {k: v.clone().contiguous() for group in merged_tensors(model) for k, v in group.items()}
@@ -303,15 +353,18 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: object | Non
     for key, value in model.state_dict(keep_vars=True).items():  # a tied name merged_tensors gave once
         if key not in state and not any(key.startswith(f"{n}.") for n, _ in adapter_layers(model)):
             state[key] = _float32(value, scales).clone().contiguous()
+    cast = EXPORT_DTYPES[check_export_dtype("export_merged", dtype)]  # auto: float32 (no folder declares a dtype)
+    if cast is not None and cast != torch.float32:
+        state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
     torch.save(state, out / "model.pt")
     return {"state_dict": str(out / "model.pt")}
 
 
 def export_after_fit(trainer: Any, module: nn.Module, out_dir: str | Path, format: str = "auto",
-                     label: str = "model") -> tuple[dict[str, str], float] | None:
+                     label: str = "model", dtype: str = "auto") -> tuple[dict[str, str], float] | None:
     """What the export callbacks run at ``on_fit_end``: :func:`export_merged` of ``module`` on global rank 0, with the
     module's tokenizer (else the DataModule's, the one the data was tokenized with) beside a Hugging Face model, and
-    one line ``"<label> written to <out_dir> (<formats>)"``.
+    one line ``"<label> written to <out_dir> (<formats>, <dtypes>)"``.
 
     Returns:
         ``(written, seconds)`` on rank 0 (``written`` as :func:`export_merged` returns it), None on the other ranks.
@@ -326,7 +379,11 @@ def export_after_fit(trainer: Any, module: nn.Module, out_dir: str | Path, forma
     # export's float32 copies add to what the model holds and not to the training step's peak: 0.5B SFT on XA peaked
     # in the export, 3.55 GiB against a 3.26 GiB training plateau
     lit_speed.trim_heap()
-    written = export_merged(module, out_dir, tokenizer, format)
+    written = export_merged(module, out_dir, tokenizer, format, dtype)
     seconds = round(time.perf_counter() - start, 3)
-    rank_zero_info(f"{label} written to {out_dir} ({', '.join(sorted(written))})")
+    dtypes = sorted({str(resolve_export_dtype(child, dtype)).removeprefix("torch.") for _, child in hf_children(module)}
+                    if "state_dict" not in written else {str(EXPORT_DTYPES[dtype] or torch.float32).removeprefix("torch.")})
+    why = " (the dtype of the folder it was loaded from; export_dtype=float32 keeps the unrounded merge)" if \
+        dtype == "auto" and dtypes != ["float32"] else ""
+    rank_zero_info(f"{label} written to {out_dir} ({', '.join(sorted(written))}, {', '.join(dtypes)}){why}")
     return written, seconds

@@ -17,13 +17,19 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lit_speed import strategy_facts
-from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_after_fit, hf_children
+from lit_speed.finetune.export import (
+    EXPORT_FORMATS,
+    check_export_dir,
+    check_export_dtype,
+    export_after_fit,
+    hf_children,
+)
 
 EXPORTS = ("auto", True, False)
 
 
 class ExportModel(Callback):
-    """After fit, write the trained model (float32) into ``export_dir``; the module itself is left as it is.
+    """After fit, write the trained model into ``export_dir``; the module itself is left as it is.
 
     Args:
         export: ``auto``: a Hugging Face model's ``save_pretrained`` folder, nothing for other models (their
@@ -31,6 +37,8 @@ class ExportModel(Callback):
             ``False``: never.
         export_dir: Folder for the export; ``None`` = ``<trainer.default_root_dir>/model``.
         export_format: ``auto`` (``hf/`` for a Hugging Face model, else ``model.pt``), ``hf`` or ``state_dict``.
+        export_dtype: ``auto`` (the dtype the model's folder declares, else float32), ``float32``, ``bfloat16``
+            or ``float16``.
 
     Raises:
         ValueError: An unknown ``export`` or ``export_format``; a folder that cannot be written (at setup, before
@@ -42,7 +50,7 @@ class ExportModel(Callback):
     """
 
     def __init__(self, export: bool | str = "auto", export_dir: str | None = None,
-                 export_format: str = "auto") -> None:
+                 export_format: str = "auto", export_dtype: str = "auto") -> None:
         if export not in EXPORTS:
             raise ValueError(f"ExportModel(export={export!r}): one of auto, true, false. Fix: export=auto (a Hugging "
                              "Face model's save_pretrained folder after fit)")
@@ -52,6 +60,7 @@ class ExportModel(Callback):
                              "else model.pt)")
         self.export = export if export == "auto" else bool(export)
         self.export_dir, self.export_format = export_dir, export_format
+        self.export_dtype = check_export_dtype("ExportModel", export_dtype)
         self.active: bool | None = None  # decided at setup, when the model and the strategy are known
         self.holds_hf: bool | None = None  # the model holds a Hugging Face model (known from prepare_model on)
         self.reason = ""
@@ -93,7 +102,7 @@ class ExportModel(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.active and not trainer.interrupted:
             written = export_after_fit(trainer, pl_module, self._export_folder(trainer), self.export_format,
-                                       label="ExportModel: trained model")
+                                       label="ExportModel: trained model", dtype=self.export_dtype)
             if written is not None:  # rank 0
                 self.exported, self.export_seconds = written
 

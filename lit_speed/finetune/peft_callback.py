@@ -27,7 +27,7 @@ from lit_speed.finetune.adapters import (
     frozen_fingerprint,
 )
 from lit_speed.finetune.base_dtype_choice import AUTO, auto_base_dtype
-from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, export_after_fit
+from lit_speed.finetune.export import EXPORT_FORMATS, check_export_dir, check_export_dtype, export_after_fit
 from lit_speed.finetune.frozen_base import (
     BASE_DTYPES,
     COMPUTES,
@@ -60,15 +60,17 @@ class PEFTAdapters(Callback):
         options: More arguments of the ``peft`` config class (``{use_rslora: true}``, ``{init_weights: gaussian}``).
         adapters_only_checkpoints: Checkpoints hold the trainable tensors only (plus optimizer, loops, and the
             fingerprint of the frozen base they belong to); ``False`` keeps full checkpoints.
-        export: After fit, write the merged model (float32) into ``export_dir``. Not under ZeRO stage 3
+        export: After fit, write the merged model into ``export_dir``. Not under ZeRO stage 3
             (parameters are partitioned): refused at setup.
         export_dir: Folder for the export; ``None`` = ``<trainer.default_root_dir>/merged``.
         export_format: ``auto`` (a ``save_pretrained`` folder ``hf/`` for a Hugging Face model, else ``model.pt``),
             ``hf`` or ``state_dict``: one format, written once (see :func:`~lit_speed.finetune.export.export_merged`).
+        export_dtype: ``auto`` (the dtype the model's folder declares, else float32), ``float32``, ``bfloat16``
+            or ``float16``: the merge is float32, written in this dtype.
         base_dtype: ``bf16`` holds the frozen base's Linear/Embedding weights in bf16 (half their bytes), ``int8``
             in int8 with a float32 scale per output channel (a quarter; the base's values change by at most half a
             quantization step, and the adapters train against the dequantized base), while adapters, gradients and
-            optimizer state stay float32 and the export is float32
+            optimizer state stay float32 and the merge is float32
             (:mod:`lit_speed.finetune.frozen_base`); ``None`` keeps it as loaded. With float32-weight precision modes
             only (``32-true``, ``bf16-mixed``, ``16-mixed``), not under ZeRO. ``auto``: ``bf16`` where the precision
             mode autocasts every frozen matmul to bf16 anyway (``bf16-mixed``), else as loaded
@@ -95,7 +97,7 @@ class PEFTAdapters(Callback):
                  alpha: float = 16.0, dropout: float = 0.0, trainable_modules: Sequence[str] = (),
                  options: dict[str, Any] | None = None, adapters_only_checkpoints: bool = True, export: bool = True,
                  export_dir: str | None = None, export_format: str = "auto", base_dtype: str | None = None,
-                 base_compute: str = "auto", up_grad: str = "auto") -> None:
+                 base_compute: str = "auto", up_grad: str = "auto", export_dtype: str = "auto") -> None:
         if method not in METHODS:
             raise ValueError(f"PEFTAdapters(method={method!r}): unknown method. "
                              f"Fix: method=<one of {', '.join(METHODS)}>")
@@ -122,6 +124,7 @@ class PEFTAdapters(Callback):
         self.options = dict(options or {})
         self.adapters_only_checkpoints = bool(adapters_only_checkpoints)
         self.export, self.export_dir, self.export_format = bool(export), export_dir, export_format
+        self.export_dtype = check_export_dtype("PEFTAdapters", export_dtype)
         self.export_seconds: float | None = None
         if base_dtype is not None and base_dtype not in (*BASE_DTYPES, AUTO):
             raise ValueError(f"PEFTAdapters(base_dtype={base_dtype!r}): the frozen base is held in one of "
@@ -321,7 +324,7 @@ class PEFTAdapters(Callback):
 
     def _export(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         written = export_after_fit(trainer, pl_module, self._export_folder(trainer), self.export_format,
-                                   label="PEFTAdapters: merged model")
+                                   label="PEFTAdapters: merged model", dtype=self.export_dtype)
         if written is not None:  # rank 0
             self.exported, self.export_seconds = written
 

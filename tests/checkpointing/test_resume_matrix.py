@@ -60,6 +60,8 @@ KILL_STEP = {"none": 13, "fixed": 4, "ramp": 7, "preset": 7}
 LEVERS = {"peft=lora peft.base_dtype=bf16": DIGITS + ["peft=lora", "peft.base_dtype=bf16"],
           # full training's export of the trained model after fit (ExportModel; auto exports Hugging Face models only)
           "peft.export=true": DIGITS + ["peft.export=true"],
+          # the export's dtype (written after fit, never read back by a resume): a bf16 model.pt, the run resumes as any
+          "peft=lora peft.export_dtype=bfloat16": DIGITS + ["peft=lora", "peft.export_dtype=bfloat16"],
           # LoRA's up-projection gradient (peft=lora's row above runs up_grad=auto: decided at fit start, kept on resume)
           "peft=lora peft.up_grad=transposed": DIGITS + ["peft=lora", "peft.up_grad=transposed"],
           "peft=lora peft.base_dtype=int8": DIGITS + ["peft=lora", "peft.base_dtype=int8"],

@@ -159,6 +159,71 @@ def test_hf_export_is_one_float32_folder_in_shards_that_loads_alone_and_leaves_t
     assert not (tmp_path / "auto" / "model.pt").exists()
 
 
+@pytest.mark.parametrize("setting", ["auto", "float32"])
+def test_hf_export_of_a_bf16_folder_is_bf16_rounded_once_from_the_float32_merge(tmp_path, setting):
+    """``export_dtype=auto``: a model read in float32 from a folder that declares bf16 is written as a bf16 folder
+    (config and every tensor), each value the float32 merge rounded to bf16 once; ``float32`` keeps the merge; a
+    float32 folder stays float32 under auto."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from lit_speed.finetune.export import folder_dtype, merged_tensors
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "fp32")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)  # as lit_speed's loader reads it
+    assert hf.dtype == torch.float32 and folder_dtype(hf) == torch.bfloat16
+    holder = nn.Module()
+    holder.model = hf
+    add_adapters(holder, "lora", ["all-linear"], r=4)
+    with torch.no_grad():
+        for name, p in holder.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    merge = {k.removeprefix("model."): v for group in merged_tensors(holder) for k, v in group.items()}
+    folder = tmp_path / "out" / "hf"
+    assert export_merged(holder, tmp_path / "out", dtype=setting) == {"hf": str(folder)}
+    written = load_file(folder / "model.safetensors")
+    dtype = torch.bfloat16 if setting == "auto" else torch.float32
+    assert written.keys() == merge.keys() and {v.dtype for v in written.values()} == {dtype}
+    assert all(torch.equal(written[k], merge[k].to(dtype)) for k in merge)  # one rounding, to nearest even
+    assert AutoModelForCausalLM.from_pretrained(folder).config.dtype == dtype
+    changed = sum(int((merge[k].to(torch.bfloat16) != merge[k]).any()) for k in merge if "proj" in k)
+    assert setting == "float32" or changed > 0  # the bf16 export really rounds: the float32 merge is off the grid
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.float32)
+    assert folder_dtype(plain) == torch.float32
+    export_merged(plain, tmp_path / "plain")  # auto, a float32 folder: float32
+    assert {v.dtype for v in load_file(tmp_path / "plain" / "hf" / "model.safetensors").values()} == {torch.float32}
+
+
+def test_state_dict_export_is_float32_under_auto_and_the_named_dtype_otherwise(tmp_path):
+    model = _gpt()
+    add_adapters(model, "lora", ["qkv"], r=4)
+    from lit_speed.finetune.export import merged_tensors
+
+    merged = {k: v for group in merged_tensors(model) for k, v in group.items()}
+    for setting, dtype in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):
+        path = export_merged(model, tmp_path / setting, dtype=setting)["state_dict"]
+        state = torch.load(path, weights_only=True)
+        assert {v.dtype for v in state.values() if v.is_floating_point()} == {dtype}
+        assert all(torch.equal(state[k], v.to(dtype)) for k, v in merged.items())
+
+
+def test_export_dtype_unknown_is_refused_naming_the_setting_and_the_fix(tmp_path):
+    from lit_speed.finetune.export_callback import ExportModel
+
+    with pytest.raises(ValueError, match=r"PEFTAdapters\(export_dtype='fp8'\): must be one of auto, float32, "
+                                         r"bfloat16, float16\. Fix: export_dtype=auto"):
+        PEFTAdapters(export_dtype="fp8")
+    with pytest.raises(ValueError, match=r"ExportModel\(export_dtype='half'\).*Fix: export_dtype=auto"):
+        ExportModel(export_dtype="half")
+    with pytest.raises(ValueError, match=r"export_merged\(export_dtype='bf16'\)"):
+        export_merged(_gpt(), tmp_path, dtype="bf16")
+
+
 def test_export_format_hf_without_a_hugging_face_model_is_refused_naming_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"export_format=state_dict"):
         export_merged(_gpt(), tmp_path, format="hf")

@@ -321,6 +321,10 @@ def test_switching_a_presets_component_runs_or_stops_in_one_line(make_cfg, comma
     # peft=none's export of the trained model (ExportModel): its values, and hf/ for a model that is not one
     (["peft.export=maybe"], r"^peft\.export='maybe': ExportModel\(export='maybe'\): one of auto, true, false\. Fix: "
                             r"export=auto"),
+    (["peft=lora", "peft.export_dtype=fp8"], r"^peft\.export_dtype='fp8': PEFTAdapters\(export_dtype='fp8'\): must be "
+                                              r"one of auto, float32, bfloat16, float16\. Fix: export_dtype=auto"),
+    (["peft.export_dtype=half"], r"^peft\.export_dtype='half': ExportModel\(export_dtype='half'\): must be one of "
+                                 r"auto, float32, bfloat16, float16\. Fix: export_dtype=auto"),
     (["peft.export_format=onnx"], r"^peft\.export_format='onnx': ExportModel\(export_format='onnx'\): must be one of "
                                   r"auto, hf, state_dict\. Fix: export_format=auto"),
     (["peft.export_format=hf"], r"^peft\.export_format='?hf'?: ExportModel\(export_format='hf'\): MLPClassifier holds no "
