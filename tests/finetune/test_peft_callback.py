@@ -124,6 +124,18 @@ def test_merged_export_loads_into_a_plain_model_with_the_same_outputs(tmp_path):
 
 
 
+def _with_random_lora(hf: nn.Module) -> nn.Module:
+    """``hf`` inside a holder module, LoRA r=4 on all its Linear layers, up-projections random (a merge that moves)."""
+    holder = nn.Module()
+    holder.model = hf
+    add_adapters(holder, "lora", ["all-linear"], r=4)
+    with torch.no_grad():
+        for name, p in holder.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    return holder
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_hf_export_is_one_float32_folder_in_shards_that_loads_alone_and_leaves_the_model_as_it_was(tmp_path, tied):
     """The merged Hugging Face folder is written shard by shard (a shard limit far below the model forces several),
@@ -136,13 +148,7 @@ def test_hf_export_is_one_float32_folder_in_shards_that_loads_alone_and_leaves_t
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied))
-    holder = nn.Module()
-    holder.model = hf
-    add_adapters(holder, "lora", ["all-linear"], r=4)
-    with torch.no_grad():
-        for name, p in holder.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05)
+    holder = _with_random_lora(hf)
     before = {k: v.clone() for k, v in holder.state_dict().items()}
     x = torch.randint(0, 120, (2, 12))
     expected = hf(input_ids=x).logits
@@ -176,13 +182,7 @@ def test_hf_export_of_a_bf16_folder_is_bf16_rounded_once_from_the_float32_merge(
     LlamaForCausalLM(config).save_pretrained(tmp_path / "fp32")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)  # as lit_speed's loader reads it
     assert hf.dtype == torch.float32 and folder_dtype(hf) == torch.bfloat16
-    holder = nn.Module()
-    holder.model = hf
-    add_adapters(holder, "lora", ["all-linear"], r=4)
-    with torch.no_grad():
-        for name, p in holder.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05)
+    holder = _with_random_lora(hf)
     merge = {k.removeprefix("model."): v for group in merged_tensors(holder) for k, v in group.items()}
     folder = tmp_path / "out" / "hf"
     assert export_merged(holder, tmp_path / "out", dtype=setting) == {"hf": str(folder)}
