@@ -127,6 +127,15 @@ def resolve_export_dtype(model: nn.Module, dtype: str | torch.dtype = "auto") ->
     return EXPORT_DTYPES[check_export_dtype("export_merged", dtype)] or folder_dtype(model) or torch.float32
 
 
+def _in_dtype(tensor: torch.Tensor, scales: dict[int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``tensor``'s values in ``dtype``: its float32 values (:func:`_float32`) rounded once; a floating tensor goes
+    straight there (a bf16-held one exported in bf16 is itself, no copy: the same values as through float32)."""
+    if dtype == torch.float32 or (scales and id(tensor) in scales) or not tensor.is_floating_point():
+        value = _float32(tensor, scales)
+        return value.to(dtype) if value.is_floating_point() else value
+    return tensor.detach().to(dtype)
+
+
 def _export_items(module: nn.Module) -> Iterator[tuple[str, torch.Tensor | nn.Module]]:
     """What :func:`merged_tensors` yields, in its order, before any merge: ``(key, tensor)`` for each plain tensor
     (shared ones once: tied embeddings), then ``(name, layer)`` for each outermost adapter layer."""
@@ -153,8 +162,9 @@ def _tied_output_names(model: nn.Module) -> set[str]:
     return {f"{n}.weight" for n, m in model.named_modules() if m is output}
 
 
-def merged_tensors(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """``module``'s state_dict with every adapter merged, in float32, one group of tensors at a time.
+def merged_tensors(module: nn.Module, dtype: torch.dtype = torch.float32) -> Iterator[dict[str, torch.Tensor]]:
+    """``module``'s state_dict with every adapter merged in float32, in ``dtype`` (rounded once from the float32
+    values), one group of tensors at a time.
 
     A group is one merged adapter layer (its base layer's tensors under the adapter layer's name) or one plain
     tensor; only that group's merged copy exists while it is in use. Keys are those of the merged model, the
@@ -164,7 +174,7 @@ def merged_tensors(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     scales = int8_scales(module)
     for key, item in _export_items(module):
         if isinstance(item, torch.Tensor):
-            yield {key: _float32(item, scales)}
+            yield {key: _in_dtype(item, scales, dtype)}
             continue
         name, layer = key, item
         merged = _merged_lora_linear(layer, scales)
@@ -174,6 +184,8 @@ def merged_tensors(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
             one = one.float()
             one.merge(safe_merge=True)  # raises on non-finite merged weights
             merged = {k: _float32(v) for k, v in one.get_base_layer().state_dict().items()}
+        if dtype != torch.float32:
+            merged = {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()}
         yield {f"{name}.{k}": v for k, v in merged.items()}
         merged = one = None  # not kept while the next layer merges (the caller may have written this one)
 
@@ -251,18 +263,15 @@ def write_hf_folder(model: nn.Module, folder: str | Path, tokenizer: object | No
             written.update({k: path.name for k in pending})
             pending, size = {}, 0
 
-    for group in merged_tensors(model):
+    for group in merged_tensors(model, dtype):
         for key, value in group.items():
             if key in skipped:
                 continue  # tied to the input embedding: from_pretrained ties it again
-            if value.is_floating_point() and value.dtype != dtype:
-                value = value.to(dtype)  # round to nearest even, once, from the float32 merge
-            nbytes = value.numel() * value.element_size()
-            if size and size + nbytes > max_shard_bytes:
+            # shards end where export_peak_bytes' walk ends them: float32 bytes (a bf16 folder's shards hold half)
+            counted, nbytes = value.numel() * (4 if value.is_floating_point() else value.element_size()), value.nbytes
+            if size and size + counted > max_shard_bytes:
                 flush()
-            pending[key] = value
-            size += nbytes
-            total += nbytes
+            pending[key], size, total = value, size + counted, total + nbytes
         group = value = None  # a group written out is not kept while the next one is made (export_peak_bytes)
     flush()
     if len(parts) == 1:
@@ -282,18 +291,21 @@ def export_peak_bytes(model: nn.Module, max_shard_bytes: int = EXPORT_SHARD_BYTE
     """The most tensor bytes :func:`write_hf_folder` holds at once, walked in its order from the shapes alone (a
     model on the meta device will do: nothing is merged): the shard being filled, and the group being made (a
     plain tensor's float32 copy; a LoRA layer's merge, two weights: the merged one and ``B @ A``, scaled in place).
-    Every floating tensor counts as a float32 copy (a float32 one is written as it is: an upper bound there). Qwen2.5-
-    0.5B dims: 0.55 GB (the embedding's float32 copy, whole), where a shard plus the largest tensor said 1.08."""
+    Every floating or int8-held tensor counts as a float32 copy (a float32 one is written as it is, a bf16 export
+    holds half: an upper bound there), an int8-held one as two while it is dequantized (``q`` in float32, then ``q x
+    scale``; its 16-bit cast, half of one, comes after the first is freed). Qwen2.5-0.5B dims:
+    0.55 GB (the embedding's float32 copy, whole), where a shard plus the largest tensor said 1.08."""
     peak = pending = 0
     skipped = _tied_output_names(model)
 
     def nbytes(key: str, value: torch.Tensor) -> int:
-        return 0 if key in skipped else value.numel() * (4 if value.is_floating_point() else value.element_size())
+        as_float = value.is_floating_point() or value.dtype == torch.int8  # int8-held: dequantized to float32
+        return 0 if key in skipped else value.numel() * (4 if as_float else value.element_size())
 
     for key, item in _export_items(model):
         if isinstance(item, torch.Tensor):
             sizes = [nbytes(key, item)]
-            making = sizes[0]
+            making = 2 * sizes[0] if item.dtype == torch.int8 else sizes[0]  # dequantizing: q in float32, q x scale
         else:
             base = item.get_base_layer().state_dict(keep_vars=True)
             sizes = [nbytes(f"{key}.{k}", v) for k, v in base.items()]
@@ -348,14 +360,12 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: object | Non
             written[key] = str(write_hf_folder(child, out / key, tokenizer, dtype=resolve_export_dtype(child, dtype)))
         return written
     # contiguous clones: tied weights become two equal tensors, which torch.load(weights_only=True) reads anywhere
-    state = {k: v.clone().contiguous() for group in merged_tensors(model) for k, v in group.items()}
+    cast = EXPORT_DTYPES[check_export_dtype("export_merged", dtype)] or torch.float32  # auto: no folder to ask
+    state = {k: v.clone().contiguous() for group in merged_tensors(model, cast) for k, v in group.items()}
     scales = int8_scales(model)
     for key, value in model.state_dict(keep_vars=True).items():  # a tied name merged_tensors gave once
         if key not in state and not any(key.startswith(f"{n}.") for n, _ in adapter_layers(model)):
-            state[key] = _float32(value, scales).clone().contiguous()
-    cast = EXPORT_DTYPES[check_export_dtype("export_merged", dtype)]  # auto: float32 (no folder declares a dtype)
-    if cast is not None and cast != torch.float32:
-        state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
+            state[key] = _in_dtype(value, scales, cast).clone().contiguous()
     torch.save(state, out / "model.pt")
     return {"state_dict": str(out / "model.pt")}
 
