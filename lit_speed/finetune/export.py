@@ -116,7 +116,7 @@ def folder_dtype(model: nn.Module) -> torch.dtype | None:
     except (OSError, ValueError, ImportError):  # not a folder or a cached hub id: no declared dtype
         return None
     stored = fields.get("dtype") or fields.get("torch_dtype")
-    return EXPORT_DTYPES.get(str(stored)) if stored != "auto" else None
+    return EXPORT_DTYPES.get(str(stored))  # "auto" (a dtype chosen at load) and unknown names: None
 
 
 def resolve_export_dtype(model: nn.Module, dtype: str | torch.dtype = "auto") -> torch.dtype:
