@@ -110,7 +110,7 @@ def load(args: argparse.Namespace, record: dict[str, Any]) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    pl.seed_everything(42)
+    pl.seed_everything(getattr(args, "seed", 42))  # sft_peers: --seed; real_size_peers: 42
     start = time.perf_counter()
     dtype = torch.bfloat16 if getattr(args, "flags", None) == "bf16base" else torch.float32  # sft_peers: no flags
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace, record: dict[str, Any]) -> None:
         gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, max_grad_norm=args.clip,
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
-        bf16=bf16, optim="adamw_torch_fused", dataloader_num_workers=0, seed=42, data_seed=42,
+        bf16=bf16, optim="adamw_torch_fused", dataloader_num_workers=0, seed=args.seed, data_seed=args.seed,
         max_length=args.max_length, packing=args.packing, padding_free=args.padding_free,
         assistant_only_loss=args.chat_template is not None,
         train_sampling_strategy=args.order, dataset_num_proc=None, shuffle_dataset=False)
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--padding-free", action="store_true")
     parser.add_argument("--order", choices=["sequential", "random", "group_by_length"], default="random")
     parser.add_argument("--chat-template", default=None, help="a .jinja with {%% generation %%} markers")
+    parser.add_argument("--seed", type=int, default=42, help="the adapters' initialisation and the data order")
     parser.add_argument("--export", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)

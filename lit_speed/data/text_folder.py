@@ -139,7 +139,7 @@ def build_token_corpus(cache_dir: str | os.PathLike, tokenizer: Any, root: str |
 
 
 #: ``max_val_windows="auto"``: one validation pass reads about this share of the tokens the run trains on (its forward
-#: costs ~2% of the training time), at least one validation batch per process...
+#: costs ~2% of the training time), at least one window per process...
 VAL_TOKEN_FRACTION = 0.05
 #: ... and at most this many windows (a fine-tune needs no more).
 AUTO_VAL_MAX_WINDOWS = 256
@@ -156,20 +156,21 @@ def planned_training_tokens(trainer: Any, batch_size: int, block_size: int, trai
     return None
 
 
-def auto_val_windows(planned_tokens: int | None, block_size: int, one_batch: int = 1) -> int:
+def auto_val_windows(planned_tokens: int | None, block_size: int, processes: int = 1) -> int:
     """Validation windows for ``max_val_windows="auto"``: :data:`VAL_TOKEN_FRACTION` of the planned training
-    tokens, at least ``one_batch`` (one validation batch on every process) and at most
-    :data:`AUTO_VAL_MAX_WINDOWS` (the most when the plan is unknown).
+    tokens, at least one window on every process and at most :data:`AUTO_VAL_MAX_WINDOWS` (the most when the plan
+    is unknown).
 
     At real size a forward pass is seconds per window: 256 windows of 256 tokens validate for minutes, longer than a
-    short fine-tune trains; a long run still gets the full set. The floor is one batch, not more: a 3-step run of
-    4 x 256 tokens on the 0.5B-dims folder validated 8 windows in two batches for 7.6 s beside 26 s of training
-    (Zen4, 2026-12-02); one batch is half that, and a run that long is a look at the pipeline, not a measurement.
+    short fine-tune trains; a long run still gets the full set. The floor is one window, not one batch: a 3-step run
+    of 4 x 256 tokens on the 0.5B-dims folder validated one batch of 4 windows in 3.5-4.7 s beside 26-32 s of training
+    (Z4, 2026-12-02), a third of the tokens it trained on; 5% of them is under one window, and a run that short is a
+    look at the pipeline, not a measurement.
     """
-    high = max(AUTO_VAL_MAX_WINDOWS, one_batch)
+    high = max(AUTO_VAL_MAX_WINDOWS, processes)
     if planned_tokens is None:
         return high
-    return int(min(max(-(-planned_tokens * VAL_TOKEN_FRACTION // block_size), one_batch, 1), high))
+    return int(min(max(-(-planned_tokens * VAL_TOKEN_FRACTION // block_size), processes, 1), high))
 
 
 class TextFolderDataModule(CharLMDataModule):
@@ -182,7 +183,7 @@ class TextFolderDataModule(CharLMDataModule):
         cache_dir: Where the token arrays are cached.
         patterns: Glob patterns of the files to read, relative to ``root``.
         max_val_windows: Validation windows, or ``"auto"``: :data:`VAL_TOKEN_FRACTION` of the tokens the run
-            trains on (from ``max_steps`` or ``max_epochs``), one batch to 256 windows; see :func:`auto_val_windows`.
+            trains on (from ``max_steps`` or ``max_epochs``), one window per process to 256 (:func:`auto_val_windows`).
             Validation batches are ``batch_size`` windows, the micro-batch that fits in training.
         block_size, batch_size, max_bytes, val_every, train_stride, num_workers, pin_memory,
         persistent_workers, prefetch_factor, preload, batch_transform: As in
@@ -205,7 +206,7 @@ class TextFolderDataModule(CharLMDataModule):
         patterns = [str(p) for p in patterns]  # plain strings: hyperparameters go into every checkpoint
         if max_val_windows != "auto" and (isinstance(max_val_windows, bool) or not isinstance(max_val_windows, int)):
             raise ValueError(f"TextFolderDataModule(max_val_windows={max_val_windows!r}): must be an int >= 1 or "
-                             "'auto'. Fix: max_val_windows=auto (5% of the training tokens, one batch to 256 windows)")
+                             "'auto'. Fix: max_val_windows=auto (5% of the training tokens, one window per process to 256)")
         self.auto_val = max_val_windows == "auto"
         super().__init__(cache_dir, block_size, batch_size, max_bytes, val_every, train_stride,
                          AUTO_VAL_MAX_WINDOWS if self.auto_val else max_val_windows,
@@ -245,8 +246,8 @@ class TextFolderDataModule(CharLMDataModule):
 
         if self.auto_val and self.trainer is not None:  # the run's plan is known once the Trainer holds this module
             planned = planned_training_tokens(self.trainer, self.batch_size, self.block_size, len(self.train_dataset))
-            one_batch = self.batch_size * max(int(getattr(self.trainer, "world_size", 1) or 1), 1)
-            self.val_dataset = self._val_subset(auto_val_windows(planned, self.block_size, one_batch))
+            processes = max(int(getattr(self.trainer, "world_size", 1) or 1), 1)
+            self.val_dataset = self._val_subset(auto_val_windows(planned, self.block_size, processes))
         # the micro-batch: a model of real size holds batch x block x vocabulary logits per validation batch
         kwargs = {**self._loader_kwargs(), "persistent_workers": False}
         return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False, **kwargs)
@@ -271,8 +272,8 @@ class TextFolderDataModule(CharLMDataModule):
         return {"data": f"text folder {m['root']} ({m['content_hash']}): {m['train_tokens']:,} train / "
                         f"{m['val_tokens']:,} val tokens ({m['train_files']}/{m['val_files']} files), "
                         f"block {self.block_size}, vocab {m['vocab_size']:,}",
-                "validation": (f"auto: {VAL_TOKEN_FRACTION:.0%} of the training tokens, one batch to "
-                               f"{AUTO_VAL_MAX_WINDOWS} windows" if self.auto_val else
+                "validation": (f"auto: {VAL_TOKEN_FRACTION:.0%} of the training tokens, one window per "
+                               f"process to {AUTO_VAL_MAX_WINDOWS}" if self.auto_val else
                                f"{len(self.val_dataset)} windows") + f", batches of {self.batch_size}"}
 
 

@@ -245,17 +245,17 @@ def test_summary_splits_launch_to_end_into_phases_that_add_up(tmp_path, hf_folde
     assert "launch to end" in result.stdout
 
 
-def test_auto_validation_reads_five_percent_of_the_training_tokens_one_batch_to_256_windows():
+def test_auto_validation_reads_five_percent_of_the_training_tokens_one_window_per_process_to_256():
     from types import SimpleNamespace
 
     from lit_speed.data.text_folder import auto_val_windows, planned_training_tokens
 
     steps = SimpleNamespace(max_steps=3, max_epochs=20, accumulate_grad_batches=1, world_size=1)
     assert planned_training_tokens(steps, batch_size=4, block_size=512, train_windows=10_000) == 3 * 4 * 512
-    assert auto_val_windows(3 * 4 * 512, 512, one_batch=4) == 4  # a 3-step run: one batch, not 256 windows
-    assert auto_val_windows(3 * 4 * 512, 512, one_batch=8) == 8  # ... one batch on each of two processes
-    assert auto_val_windows(3 * 4 * 512, 512) == 1  # 5% is under a window: one window, never none
-    assert auto_val_windows(100 * 4 * 512, 512, one_batch=4) == 20  # 5% of 204.8k tokens, above the floor
+    assert auto_val_windows(3 * 4 * 512, 512) == 1  # a 3-step run: 5% is under a window: one window, never none
+    assert auto_val_windows(3 * 4 * 512, 512, processes=2) == 2  # ... one window on each of two processes
+    assert auto_val_windows(20 * 4 * 512, 512) == 4  # 5% of 40,960 tokens: 4 windows, one batch of 4
+    assert auto_val_windows(100 * 4 * 512, 512, processes=2) == 20  # 5% of 204.8k tokens, above the floor
     assert auto_val_windows(2000 * 4 * 512, 512) == 256  # a long run: the full set
     assert auto_val_windows(1000 * 4 * 512, 512) == 200  # 5% of 2.05M tokens in 512-token windows
     assert auto_val_windows(None, 512) == 256  # only max_time stops it: the plan is unknown
@@ -270,11 +270,14 @@ def test_text_folder_validates_auto_windows_in_micro_batches_and_refuses_a_bad_c
     dm.setup()
     dm.trainer = SimpleNamespace(max_steps=4, max_epochs=20, accumulate_grad_batches=1, world_size=1)
     loader = dm.val_dataloader()
-    assert len(dm.val_dataset) == 3 and loader.batch_size == 3  # 5% of 4 x 3 x 16 tokens is under a window: one batch
+    assert len(dm.val_dataset) == 1 and loader.batch_size == 3  # 5% of 4 x 3 x 16 tokens is under a window: one
     assert len(loader) == 1
     dm.trainer = SimpleNamespace(max_steps=4, max_epochs=20, accumulate_grad_batches=1, world_size=2)
     dm.val_dataloader()
-    assert len(dm.val_dataset) == 6  # one batch on each of two processes
+    assert len(dm.val_dataset) == 2  # one window on each of two processes
+    dm.trainer = SimpleNamespace(max_steps=100, max_epochs=20, accumulate_grad_batches=1, world_size=1)
+    loader = dm.val_dataloader()
+    assert len(dm.val_dataset) == 15 and len(loader) == 5  # 5% of 100 x 3 x 16 tokens: 15 windows in batches of 3
     assert "auto: 5% of the training tokens" in dm.describe()["validation"]
     with pytest.raises(ValueError, match=r"max_val_windows='many'.*Fix: max_val_windows=auto"):
         TextFolderDataModule(str(texts), str(hf_folder), str(tmp_path), max_val_windows="many")
