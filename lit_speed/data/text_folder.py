@@ -163,7 +163,7 @@ def auto_val_windows(planned_tokens: int | None, block_size: int, processes: int
 
     At real size a forward pass is seconds per window: 256 windows of 256 tokens validate for minutes, longer than a
     short fine-tune trains; a long run still gets the full set. The floor is one window, not one batch: a 3-step run
-    of 4 x 256 tokens on the 0.5B-dims folder validated one batch of 4 windows in 3.5-4.7 s beside 26-32 s of training
+    of 4 x 256 tokens on the 0.5B-dims folder validated one batch of 4 windows in 3.4-4.7 s beside 26-32 s of training
     (Z4, 2026-12-02), a third of the tokens it trained on; 5% of them is under one window, and a run that short is a
     look at the pipeline, not a measurement.
     """
