@@ -212,6 +212,31 @@ def rows_per_batch(model: Path, data: Path, args: argparse.Namespace) -> int:
     return Layout(dm.train_examples, args.micro, args.max_length, packed=True).batch_size
 
 
+def row_command(name: str, model: Path, data: Path, out: Path, args: argparse.Namespace, micro: int, bf16: bool,
+                template: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """The command of speed row ``name`` (:data:`SPEED_ROWS`): the same JSONL, LoRA, LR, steps and clipping on both
+    sides, bf16 autocast where the CPU has bf16 units, no validation; ``extra`` arguments last."""
+    tool, row_extra = SPEED_ROWS[name]
+    shared = (model, data, out, args.steps, micro, args.max_length, args.r, args.lr)
+    if tool == "trl":
+        return trl_command(*shared, ["--precision", "bf16" if bf16 else "fp32", "--chat-template", str(template),
+                                     "--clip", "1.0", *row_extra, *extra])
+    return lit_command(*shared, [f"data.val_source={data}", "trainer.limit_val_batches=0",
+                                 "trainer.num_sanity_val_steps=0", "validate=false", "data.samples=0",
+                                 "trainer.gradient_clip_val=1.0", *(["precision=bf16-mixed"] if bf16 else []),
+                                 *row_extra, *extra])
+
+
+def add_steady_rates(row: dict[str, Any], warmup: int) -> None:
+    """Trained tokens and positions per second after ``warmup`` steps, the padding share, trained tokens a step."""
+    timed = list(zip(row["step_s"], row["trained"], row["positions"], row["real_positions"]))[warmup:]
+    seconds = sum(t[0] for t in timed)
+    row.update(steady_trained_tokens_per_s=round(sum(t[1] for t in timed) / seconds, 2),
+               steady_positions_per_s=round(sum(t[2] for t in timed) / seconds, 2),
+               padding_share=round(1 - sum(t[3] for t in timed) / sum(t[2] for t in timed), 4),
+               trained_per_step=round(sum(t[1] for t in timed) / len(timed), 1))
+
+
 def speed(args: argparse.Namespace) -> None:
     """Steady trained tokens per second, peak RSS, launch to exported model, per row; the same JSONL (messages), the
     same LoRA, LR and steps, no validation on either side."""
@@ -226,26 +251,12 @@ def speed(args: argparse.Namespace) -> None:
     packed_rows = rows_per_batch(model, data, args)  # TRL's packing counts rows: the rows that hold --micro examples
     rows = []
     for name in args.rows or list(SPEED_ROWS):
-        tool, extra = SPEED_ROWS[name]
         out = WORK / "speed" / name.replace("/", "_")
         micro = packed_rows if name == "trl/packing" else args.micro
-        shared = (model, data, out, args.steps, micro, args.max_length, args.r, args.lr)
-        if tool == "trl":
-            cmd = trl_command(*shared, ["--precision", "bf16" if bf16 else "fp32", "--chat-template", str(template),
-                                        "--clip", "1.0", *extra])
-        else:
-            cmd = lit_command(*shared, [f"data.val_source={data}", "trainer.limit_val_batches=0",
-                                        "trainer.num_sanity_val_steps=0", "validate=false", "data.samples=0",
-                                        "trainer.gradient_clip_val=1.0",
-                                        *(["precision=bf16-mixed"] if bf16 else []), *extra])
-        row = run(name, cmd, out)
+        row = run(name, row_command(name, model, data, out, args, micro, bf16, template), out)
         if row["exit"] == 0:
-            timed = list(zip(row["step_s"], row["trained"], row["positions"], row["real_positions"]))[args.warmup:]
-            seconds = sum(t[0] for t in timed)
-            row.update(steady_trained_tokens_per_s=round(sum(t[1] for t in timed) / seconds, 2),
-                       steady_positions_per_s=round(sum(t[2] for t in timed) / seconds, 2),
-                       padding_share=round(1 - sum(t[3] for t in timed) / sum(t[2] for t in timed), 4),
-                       trained_per_step=round(sum(t[1] for t in timed) / len(timed), 1), micro=micro)
+            add_steady_rates(row, args.warmup)
+            row["micro"] = micro
         rows.append(row)
     ok = {r["name"]: r for r in rows if r["exit"] == 0}
     trl = [r for n, r in ok.items() if n.startswith("trl/")]

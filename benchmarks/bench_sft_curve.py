@@ -24,7 +24,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import RESULTS, write_result  # noqa: E402
-from bench_sft import GENERATION_TEMPLATES, SPEED_ROWS, WORK, ensure_trl, lit_command, rows_per_batch, run, trl_command  # noqa: E402
+from bench_sft import (  # noqa: E402
+    GENERATION_TEMPLATES,
+    SPEED_ROWS,
+    WORK,
+    add_steady_rates,
+    ensure_trl,
+    row_command,
+    rows_per_batch,
+    run,
+)
 from model_folders import build  # noqa: E402
 
 #: TRL's packing first (the reference), then lit_speed's rows (``bench_sft.SPEED_ROWS``' names)
@@ -126,24 +135,16 @@ def main(argv: list[str] | None = None) -> None:
     for seed in args.seeds:
         for name in args.rows:
             out = WORK / "curve" / f"{name.replace('/', '_')}_{seed}"
-            if name == "trl/packing":
-                cmd = trl_command(model, data, out, args.steps, packed_rows, args.max_length, args.r, args.lr,
-                                  ["--packing", "--seed", str(seed), "--precision", "bf16" if bf16 else "fp32",
-                                   "--chat-template", str(template_file), "--clip", "1.0"])
-                export = out / "row.export"
-            else:
-                cmd = lit_command(model, data, out, args.steps, args.micro, args.max_length, args.r, args.lr,
-                                  [f"seed={seed}", f"data.val_source={data}", "trainer.limit_val_batches=0",
-                                   "trainer.num_sanity_val_steps=0", "validate=false", "data.samples=0",
-                                   "trainer.gradient_clip_val=1.0", *(["precision=bf16-mixed"] if bf16 else []),
-                                   *SPEED_ROWS[name][1]])
-                export = out / "merged" / "hf"
-            row = {**run(name, cmd, out), "seed": seed}
+            micro = packed_rows if name == "trl/packing" else args.micro
+            tool = SPEED_ROWS[name][0]
+            seeded = ("--seed", str(seed)) if tool == "trl" else (f"seed={seed}",)
+            row = {**run(name, row_command(name, model, data, out, args, micro, bf16, template_file, seeded), out),
+                   "seed": seed}
             if row["exit"] == 0:
+                export = out / "row.export" if tool == "trl" else out / "merged" / "hf"
                 row["heldout"] = heldout_loss(export, model, heldout, template, args.max_length, bf16)
                 row["trained_total"] = sum(row["trained"])
-                timed = list(zip(row["step_s"], row["trained"]))[args.warmup:]
-                row["steady_trained_tokens_per_s"] = round(sum(t[1] for t in timed) / sum(t[0] for t in timed), 2)
+                add_steady_rates(row, args.warmup)
                 print(f"{name} seed {seed}: held-out loss {row['heldout']['loss']:.4f}, "
                       f"{row['trained_total']} trained tokens")
             rows.append(row)
