@@ -263,20 +263,25 @@ def test_offload_option_alone_runs_with_cpu_adam(tmp_path):
 
 # ---- switching a preset's optimizer, precision or accumulation: it runs, or stops in one line naming the fix ----
 # (issue 24: `experiment=charlm_fast optimizer=adamw` ended in a TypeError on Muon's `adamw_lr` at the first step)
-TAKES_NO = r"takes no argument 'adamw_lr' \(it takes: .*\); a preset or the option whose _target_ was replaced sets it"
 PRESET_SWITCHES = {
-    # the preset's Muon settings AdamW does not take are all named in the one line
-    "experiment=charlm_fast optimizer=adamw": r"^optimizer\.adamw_lr=[\d.]+, optimizer\.momentum=[\d.]+: AdamW takes no "
-                                              r"arguments 'adamw_lr', 'momentum' \(it takes: .*\); a preset or the "
-                                              r"option whose _target_ was replaced sets them\. Fix: ~optimizer\.adamw_lr "
-                                              r"~optimizer\.momentum to drop them \(.*lr.*\), or optimizer=<muon> "
-                                              r"\(takes them\)$",
-    "experiment=charlm_fast optimizer=sgd": rf"^optimizer\.adamw_lr=[\d.]+: SGD {TAKES_NO}\. Fix: ~optimizer\.adamw_lr",
-    "experiment=charlm_fast optimizer=adamw8bit": r"^optimizer\.adamw_lr=[\d.]+, optimizer\.momentum=[\d.]+: AdamW8bit "
-                                                 r"takes no arguments 'adamw_lr', 'momentum' \(it takes: .*block_size.*\)"
-                                                 r".*Fix: ~optimizer\.adamw_lr ~optimizer\.momentum",
-    "experiment=charlm_fast optimizer=adamw ~optimizer.adamw_lr ~optimizer.momentum optimizer.lr=0.003": None,  # runs
-    "experiment=charlm_fast optimizer=sgd ~optimizer.adamw_lr": None,
+    # the preset's Muon settings AdamW does not take are all named in the one line (its betas AdamW takes)
+    "experiment=charlm_fast optimizer=adamw": r"^optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.adamw_lr=[\d.]+, "
+                                              r"optimizer\.momentum=[\d.]+: AdamW takes no arguments 'adjust_lr_fn', "
+                                              r"'adamw_lr', 'momentum' \(it takes: .*\); a preset or the option whose "
+                                              r"_target_ was replaced sets them\. Fix: ~optimizer\.adjust_lr_fn "
+                                              r"~optimizer\.adamw_lr ~optimizer\.momentum to drop them \(.*lr.*\), or "
+                                              r"optimizer=<muon> \(takes them\)$",
+    "experiment=charlm_fast optimizer=sgd": r"^optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.betas=\[0\.8, 0\.95\], "
+                                            r"optimizer\.adamw_lr=[\d.]+: SGD takes no arguments 'adjust_lr_fn', 'betas', "
+                                            r"'adamw_lr' .*Fix: ~optimizer\.adjust_lr_fn ~optimizer\.betas "
+                                            r"~optimizer\.adamw_lr to drop them",
+    "experiment=charlm_fast optimizer=adamw8bit": r"^optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.adamw_lr=[\d.]+, "
+                                                 r"optimizer\.momentum=[\d.]+: AdamW8bit takes no arguments "
+                                                 r"'adjust_lr_fn', 'adamw_lr', 'momentum' \(it takes: .*block_size.*\)"
+                                                 r".*Fix: ~optimizer\.adjust_lr_fn ~optimizer\.adamw_lr ~optimizer\.momentum",
+    "experiment=charlm_fast optimizer=adamw ~optimizer.adjust_lr_fn ~optimizer.adamw_lr ~optimizer.momentum "
+    "optimizer.lr=0.003": None,  # runs
+    "experiment=charlm_fast optimizer=sgd ~optimizer.adjust_lr_fn ~optimizer.betas ~optimizer.adamw_lr": None,
     "experiment=charlm_fast precision=32-true": None,
     "experiment=charlm_fast precision=bf16-mixed": None,
     # the preset's schedule is its own accumulation option (issue 50): another option replaces it whole
