@@ -263,17 +263,17 @@ def test_offload_option_alone_runs_with_cpu_adam(tmp_path):
 
 # ---- switching a preset's optimizer, precision or accumulation: it runs, or stops in one line naming the fix ----
 # (issue 24: `experiment=charlm_fast optimizer=adamw` ended in a TypeError on Muon's `adamw_lr` at the first step)
+TAKES_NO = r"\(it takes: .*\); a preset or the option whose _target_ was replaced sets them\."
 PRESET_SWITCHES = {
     # the preset's Muon settings AdamW does not take are all named in the one line (its betas AdamW takes)
     "experiment=charlm_fast optimizer=adamw": r"^optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.adamw_lr=[\d.]+, "
                                               r"optimizer\.momentum=[\d.]+: AdamW takes no arguments 'adjust_lr_fn', "
-                                              r"'adamw_lr', 'momentum' \(it takes: .*\); a preset or the option whose "
-                                              r"_target_ was replaced sets them\. Fix: ~optimizer\.adjust_lr_fn "
+                                              rf"'adamw_lr', 'momentum' {TAKES_NO} Fix: ~optimizer\.adjust_lr_fn "
                                               r"~optimizer\.adamw_lr ~optimizer\.momentum to drop them \(.*lr.*\), or "
                                               r"optimizer=<muon> \(takes them\)$",
     "experiment=charlm_fast optimizer=sgd": r"^optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.betas=\[0\.8, 0\.95\], "
                                             r"optimizer\.adamw_lr=[\d.]+: SGD takes no arguments 'adjust_lr_fn', 'betas', "
-                                            r"'adamw_lr' .*Fix: ~optimizer\.adjust_lr_fn ~optimizer\.betas "
+                                            rf"'adamw_lr' {TAKES_NO} Fix: ~optimizer\.adjust_lr_fn ~optimizer\.betas "
                                             r"~optimizer\.adamw_lr to drop them",
     "experiment=charlm_fast optimizer=adamw8bit": r"^optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.adamw_lr=[\d.]+, "
                                                  r"optimizer\.momentum=[\d.]+: AdamW8bit takes no arguments "
