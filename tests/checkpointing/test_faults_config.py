@@ -106,11 +106,14 @@ CASES = {
                               r"hydra\.run\.dir=/proc/forbidden: the run folder cannot be created.*Fix", True),
     # issue 24: switching a preset's component kept the preset's keys for the old one (a TypeError at the first step)
     "preset_optimizer_switched": (["experiment=charlm_fast", "optimizer=adamw"],
-                                  r"optimizer\.adamw_lr=[\d.]+, optimizer\.momentum=[\d.]+: AdamW takes no "
-                                  r"arguments 'adamw_lr', 'momentum'.*Fix: ~optimizer\.adamw_lr ~optimizer\.momentum "
+                                  r"optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.adamw_lr=[\d.]+, "
+                                  r"optimizer\.momentum=[\d.]+: AdamW takes no arguments 'adjust_lr_fn', 'adamw_lr', "
+                                  r"'momentum'.*Fix: ~optimizer\.adjust_lr_fn ~optimizer\.adamw_lr ~optimizer\.momentum "
                                   r"to drop them", True),  # slow: test_bad_input.py's in-process twin stays
     "preset_optimizer_switched_to_sgd": (["experiment=charlm_fast", "optimizer=sgd"],
-                                         r"optimizer\.adamw_lr=[\d.]+: SGD takes no argument 'adamw_lr'", True),
+                                         r"optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.betas=\[0\.8, 0\.95\], "
+                                         r"optimizer\.adamw_lr=[\d.]+: SGD takes no arguments 'adjust_lr_fn', 'betas', "
+                                         r"'adamw_lr'", True),
     "accumulation_in_steps_and_samples": (["accumulation=fixed", "accumulation.effective_batch=[[0,64]]"],
                                           r"give exactly one of factors=.* or effective_batch=", True),
     "own_config_dir_missing": (["--config-dir", "/nonexistent/my_conf", "model=mine"],
@@ -164,8 +167,9 @@ CASES = {
     "low_bit_odd_block": (["optimizer=adamw4bit", "optimizer.block_size=3"],
                           r"optimizer\.block_size=3: AdamW4bit\(block_size=3\): block_size must be an even int", True),
     "preset_optimizer_switched_to_low_bit": (["experiment=charlm_fast", "optimizer=adamw8bit"],
-                                             r"optimizer\.adamw_lr=[\d.]+, optimizer\.momentum=[\d.]+: AdamW8bit takes "
-                                             r"no arguments 'adamw_lr', 'momentum'", True),
+                                             r"optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.adamw_lr=[\d.]+, "
+                                             r"optimizer\.momentum=[\d.]+: AdamW8bit takes no arguments "
+                                             r"'adjust_lr_fn', 'adamw_lr', 'momentum'", True),
 }
 
 # ---- issue 33 (checks): one line where a new user got a traceback, silence or a misleading line ----------------
