@@ -20,11 +20,19 @@ import pytest
 import torch
 
 from tests.helpers.fault_scripts.runs import explain, train
+from tests.run.test_bad_input import PRESET_SWITCHES
 
 DAMAGED = Path(mkdtemp(prefix="damaged_ckpt_")) / "damaged.ckpt"
 DAMAGED.write_bytes(b"not a torch.save archive")
 STRAY = Path(mkdtemp(prefix="stray_pt_")) / "final.pt"  # a valid torch file in a folder DeepSpeed did not write
 torch.save({"w": torch.zeros(2)}, STRAY)
+
+
+def preset_switch(command: str) -> tuple[list[str], str, bool]:
+    """A preset-switch row of the in-process table (``tests/run/test_bad_input.py``), here as a fresh process: the
+    same message, one source for both (slow: the in-process twin runs in the default tier)."""
+    return command.split(), PRESET_SWITCHES[command].removeprefix("^").removesuffix("$"), True
+
 
 # name: (overrides, what the message must say, slow?)
 CASES = {
@@ -105,15 +113,8 @@ CASES = {
     "run_dir_not_creatable": (["hydra.run.dir=/proc/forbidden"],
                               r"hydra\.run\.dir=/proc/forbidden: the run folder cannot be created.*Fix", True),
     # issue 24: switching a preset's component kept the preset's keys for the old one (a TypeError at the first step)
-    "preset_optimizer_switched": (["experiment=charlm_fast", "optimizer=adamw"],
-                                  r"optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.adamw_lr=[\d.]+, "
-                                  r"optimizer\.momentum=[\d.]+: AdamW takes no arguments 'adjust_lr_fn', 'adamw_lr', "
-                                  r"'momentum'.*Fix: ~optimizer\.adjust_lr_fn ~optimizer\.adamw_lr ~optimizer\.momentum "
-                                  r"to drop them", True),  # slow: test_bad_input.py's in-process twin stays
-    "preset_optimizer_switched_to_sgd": (["experiment=charlm_fast", "optimizer=sgd"],
-                                         r"optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.betas=\[0\.8, 0\.95\], "
-                                         r"optimizer\.adamw_lr=[\d.]+: SGD takes no arguments 'adjust_lr_fn', 'betas', "
-                                         r"'adamw_lr'", True),
+    "preset_optimizer_switched": preset_switch("experiment=charlm_fast optimizer=adamw"),
+    "preset_optimizer_switched_to_sgd": preset_switch("experiment=charlm_fast optimizer=sgd"),
     "accumulation_in_steps_and_samples": (["accumulation=fixed", "accumulation.effective_batch=[[0,64]]"],
                                           r"give exactly one of factors=.* or effective_batch=", True),
     "own_config_dir_missing": (["--config-dir", "/nonexistent/my_conf", "model=mine"],
@@ -166,10 +167,7 @@ CASES = {
                             r"LoRA scales its update by alpha / r, so alpha must be a number > 0", True),
     "low_bit_odd_block": (["optimizer=adamw4bit", "optimizer.block_size=3"],
                           r"optimizer\.block_size=3: AdamW4bit\(block_size=3\): block_size must be an even int", True),
-    "preset_optimizer_switched_to_low_bit": (["experiment=charlm_fast", "optimizer=adamw8bit"],
-                                             r"optimizer\.adjust_lr_fn=match_rms_adamw, optimizer\.adamw_lr=[\d.]+, "
-                                             r"optimizer\.momentum=[\d.]+: AdamW8bit takes no arguments "
-                                             r"'adjust_lr_fn', 'adamw_lr', 'momentum'", True),
+    "preset_optimizer_switched_to_low_bit": preset_switch("experiment=charlm_fast optimizer=adamw8bit"),
 }
 
 # ---- issue 33 (checks): one line where a new user got a traceback, silence or a misleading line ----------------
