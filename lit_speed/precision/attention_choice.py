@@ -6,9 +6,10 @@ On a Zen5 (torch 2.13, 2 threads) the CPU flash kernel's backward in bf16 took 2
 12 x 4 heads x 64 x 32 attention (its forward 0.41 ms): 45% of the 0.8M-parameter GPT's step. With the math
 kernel that step took 19 ms instead of 24.5 ms in bf16-mixed, while in float32 flash was the faster (28.5 vs
 32 ms): which kernel is faster depends on the dtype, the shapes and the CPU. ``attention="auto"`` times this
-model's step with torch's pick and with the math kernel, in the precision mode the run uses, keeps torch's pick
-unless math is faster by the tuning margin, caches the timings per machine and checkpoints the choice (a resume
-keeps it). When ``precision=auto`` times its modes too, each mode is timed with both kernels in one interleaved
+model's attention calls (forward and backward, on copies of the step's own inputs: the rest of the step is the same
+with either kernel, :mod:`.attention_timing`) with torch's pick and with the math kernel, in the precision mode the
+run uses, keeps torch's pick unless math is faster by the tuning margin, caches the timings per machine and
+checkpoints the choice (a resume keeps it). When ``precision=auto`` times its modes too, each mode is timed with both kernels in one interleaved
 timing and the (mode, kernel) pair is chosen together: timed apart, each choice sees the other's first guess
 (Zen4, charlm: the modes tied with torch's kernel, 32-true 50.7 ms and bf16-master 48.8 ms a step, while
 bf16-master with math took 35.9 ms). The kernels compute the same attention; their
@@ -17,7 +18,7 @@ summation order differs, as between any two kernels.
 The math kernel materialises the ``L x S`` attention probabilities and autograd keeps them for the backward: at
 real sizes that is gigabytes (Qwen2.5-0.5B's dims, 4 x 512 tokens: ~2.6 GiB over 24 layers). ``auto`` does not time
 it when the step's calls would keep more than
-:data:`~lit_speed.precision.step_timing.MATH_SAVED_CAP`, and says so.
+:data:`~lit_speed.precision.attention_timing.MATH_SAVED_CAP`, and says so.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class AttentionChoice:
 
     def decide(self, trainer: Any, batch: Any, mode: str) -> None:
         """``attention="auto"``: rank 0 times the step with each kernel, every rank uses its choice."""
-        from lit_speed.precision.step_timing import choose_attention
+        from lit_speed.precision.attention_timing import choose_attention
 
         self.pending = False
         self.chosen, self.reason = on_rank_zero(lambda: timed_or_kept(
@@ -76,8 +77,8 @@ class AttentionChoice:
 
     def with_modes(self, module: Any, batch: Any, modes: Sequence[str], device: Any) -> list[str]:
         """``precision=auto``'s candidate modes, each also with the math kernel while this setting is ``auto`` and
-        undecided (:func:`~lit_speed.precision.step_timing.with_math_attention`): the two are timed together."""
-        from lit_speed.precision.step_timing import with_math_attention
+        undecided (:func:`~lit_speed.precision.attention_timing.with_math_attention`): the two are timed together."""
+        from lit_speed.precision.attention_timing import with_math_attention
 
         return with_math_attention(module, batch, modes, device) if self.pending else list(modes)
 
@@ -95,8 +96,8 @@ class AttentionChoice:
 
     def describe(self) -> str:
         if self.pending:
-            return ("auto: times this model's step with torch's pick and the math kernel on the first training batch "
-                    "(in each mode precision=auto times, when it times them)")
+            return ("auto: times this model's attention with torch's pick and the math kernel on the first training "
+                    "batch (whole steps in each mode precision=auto times, when it times them)")
         return f"{self.shown()} ({self.reason})"
 
     def state_dict(self) -> dict[str, Any]:

@@ -26,17 +26,15 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
 
 from lit_speed.compat import lightning as pl_compat
 from lit_speed.precision import modes as mode_table
 from lit_speed.precision.fp32_modules import cast_floating
 from lit_speed.precision.master_weights import MasterWeights
 from lit_speed.tuning.machine_cache import cache_dir, disk_cache_enabled, measured_times, read_json, timing_key
-from lit_speed.tuning.measured_choice import MIN_GAIN, Decision, choose_fastest, measured_choice, time_interleaved
+from lit_speed.tuning.measured_choice import MIN_GAIN, choose_fastest, time_interleaved
 
 #: An undecided entry (32-true kept although a low-precision mode timed faster, inside the margin) is timed
 #: again by the next runs, pooling their rounds, until it holds this many rounds per mode: a first decision made
@@ -312,81 +310,3 @@ def choose_threads(module: nn.Module, batch: Any, mode: str, counts: Sequence[in
             return measured_choice("precision.threads", key, {str(n): at(n) for n in counts}, default=str(current))
         finally:
             torch.set_num_threads(current)
-
-
-# ---- the attention kernel, timed on the same step (precision.attention=auto, attention_choice.py) ---------------
-
-#: ``auto`` leaves the math kernel untimed when the step's attention probabilities, kept for the backward, would
-#: take more than this (bytes, counted at 8 per score: the scores and the probabilities, float32).
-MATH_SAVED_CAP = 256 * 2**20
-
-
-class CountAttention(TorchFunctionMode):
-    """Counts the ``scaled_dot_product_attention`` calls of a step and the scores they compute."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-        self.scores = 0  # query positions x key positions, over batch and heads, summed over the calls
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is F.scaled_dot_product_attention:
-            query, key = args[0] if args else kwargs["query"], args[1] if len(args) > 1 else kwargs["key"]
-            self.calls += 1
-            self.scores += math.prod(query.shape[:-1]) * key.shape[-2]
-        return func(*args, **(kwargs or {}))
-
-    def math_saved_bytes(self) -> int:
-        return 8 * self.scores
-
-
-def with_math_attention(module: nn.Module, batch: Any, modes: Sequence[str], device: torch.device | None = None,
-                        cap: int = MATH_SAVED_CAP) -> list[str]:
-    """``modes`` and each of them with the math attention kernel (``"<mode>+math"``), for ``precision=auto`` and
-    ``attention=auto`` timed together: which kernel is faster depends on the dtype (Zen4, charlm: bf16-master with
-    torch's pick 49.6 ms a step, with math 35.9, 32-true 50.7), so a mode timed with one kernel is not the mode's
-    speed. Only ``modes`` when the step calls no ``scaled_dot_product_attention``, math would keep more than
-    ``cap`` bytes of scores, or a forward cannot run here (:func:`choose_attention` then decides alone)."""
-    try:
-        with preserved_rng_states(), warnings.catch_warnings(), torch.no_grad(), CountAttention() as seen:
-            warnings.simplefilter("ignore")
-            _loss_of(_detached_copy(module), _as_step_input(module, batch, device))
-    except Exception:  # noqa: BLE001 - a step this forward cannot run: the kernel is timed on its own later
-        return list(modes)
-    if not seen.calls or seen.math_saved_bytes() > cap:
-        return list(modes)
-    return [*modes, *(f"{m}+math" for m in modes)]
-
-
-def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: torch.device | None = None,
-                     cap: int = MATH_SAVED_CAP) -> Decision:
-    """Time this model's step (in ``mode``) with torch's attention kernel and with the math kernel, interleaved, and
-    pick one: torch's pick is kept unless math is faster by the tuning margin. Cached per machine; leaves no trace
-    in the run (copies of the model, RNG states restored)."""
-    name = "precision.attention"
-    with preserved_rng_states(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        step_input = _as_step_input(module, batch, device)
-        base = _detached_copy(module)
-        runs = {"default": _ModeRun(base, mode, _loss_of)}  # math's copy only once it is to be timed
-        with CountAttention() as seen:
-            runs["default"].step(step_input)  # what the step's attention is (also the default's first warm-up)
-        if not seen.calls:
-            return Decision(name, "default", "this model's step calls no scaled_dot_product_attention: not timed")
-        if seen.math_saved_bytes() > cap:
-            return Decision(name, "default", f"the math kernel would keep ~{seen.math_saved_bytes() / 2**20:,.0f} MiB "
-                            f"of attention scores for the backward ({seen.calls} calls; over {cap / 2**20:.0f} MiB): "
-                            "not timed, torch's pick kept")
-
-        runs["math"] = _ModeRun(base, mode, _loss_of)
-
-        def run(kernel: str) -> Any:
-            def step() -> None:
-                with sdpa_kernel([SDPBackend.MATH]) if kernel == "math" else nullcontext():
-                    runs[kernel].step(step_input)
-            return step
-
-        key = {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode,
-               "params": sum(p.numel() for p in module.parameters()), "batch": _shapes(step_input),
-               "device": str(device or "cpu")}
-        return measured_choice(name, key, {"default": run("default"), "math": run("math")}, default="default")

@@ -1,6 +1,8 @@
 """attention: scaled_dot_product_attention's kernel, named or timed on the first batch, applied, checkpointed, reused."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -10,9 +12,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lit_speed import GuardedPrecision
 from lit_speed.models.gpt import GPT
-from lit_speed.precision import step_timing
+from lit_speed.precision import attention_timing, step_timing
 from lit_speed.precision.attention_choice import AttentionChoice
-from lit_speed.precision.step_timing import CountAttention, choose_attention, with_math_attention
+from lit_speed.precision.attention_timing import CountAttention, choose_attention, with_math_attention
 from lit_speed.tuning import Decision, machine_cache
 
 
@@ -94,6 +96,64 @@ def test_choose_attention_times_the_real_step_and_leaves_no_trace():
     assert no_attention.chosen == "default" and "calls no scaled_dot_product_attention" in no_attention.reason
 
 
+class FlashFlags(torch.overrides.TorchFunctionMode):
+    """Records, per scaled_dot_product_attention call, whether sdpa_kernel left torch's flash kernel enabled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flash: list[bool] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.flash.append(torch.backends.cuda.flash_sdp_enabled())
+        return func(*args, **(kwargs or {}))
+
+
+def test_auto_times_the_step_s_attention_calls_not_whole_steps(monkeypatch, tmp_path):
+    """The kernels differ only in the attention: one recorded call, forward and backward with each kernel, times the
+    step's calls; no whole training step is timed (the model runs once, a forward without gradients)."""
+    monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))  # timed here, not read from another test's cache
+    monkeypatch.setattr(attention_timing._ModeRun, "step", lambda *a: pytest.fail("a whole step was timed"))
+    module = TinyGPT()  # two blocks: two attention calls of the same shape
+    batch = next(iter(module.train_dataloader()))
+    with FlashFlags() as seen:
+        decision = choose_attention(module, batch, "32-true")
+    assert decision.reason.startswith("timed here, the step's 2 attention calls (forward and backward): default ")
+    assert set(decision.times) == {"default", "math"} and all(t > 0 for t in decision.times.values())
+    assert seen.flash[:2] == [True, True]  # the model's own forward (a copy's), torch's pick
+    timed = seen.flash[2:]  # the recorded call, run again: both kernels, interleaved, warm-up first
+    assert timed[:2] == [True, False] and timed.count(True) == timed.count(False) >= 3
+    assert module.flash_enabled == []  # counted on a copy
+
+
+def test_a_call_replays_its_own_inputs_with_gradients_and_leaves_none_behind():
+    q = torch.randn(2, 4, 16, 8)
+    call = attention_timing.AttentionCall(((q, q.clone(), q.clone()), {"is_causal": True}), nullcontext)
+    call.run("math")
+    assert all(a.requires_grad and a.grad is None for a in call.args) and call.grad.shape == q.shape
+    assert torch.equal(call.args[0], q)
+
+
+class TwoLengths(torch.nn.Module):
+    """Attention over the whole window and over its first half: calls of different shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        h = (x * self.w).unsqueeze(1).repeat(1, 2, 1, 1)
+        full = F.scaled_dot_product_attention(h, h, h, is_causal=True)
+        half = F.scaled_dot_product_attention(h[:, :, :4], h[:, :, :4], h[:, :, :4])
+        return full.square().mean() + half.square().mean()
+
+
+def test_calls_of_different_shapes_are_timed_as_whole_steps(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))
+    decision = choose_attention(TwoLengths(), torch.randn(2, 8, 4), "32-true")
+    assert decision.reason.startswith("timed here, whole steps (the calls differ): default ")
+
+
 def _fit(root, plugin, max_steps, module, ckpt_path=None):
     trainer = pl.Trainer(max_steps=max_steps, plugins=[plugin], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=root,
@@ -109,9 +169,9 @@ def test_auto_is_decided_on_the_first_batch_in_the_run_s_mode_applied_saved_and_
         calls.append(mode)
         return Decision("precision.attention", "math", "stand-in timing")
 
-    monkeypatch.setattr("lit_speed.precision.step_timing.choose_attention", stand_in)
+    monkeypatch.setattr("lit_speed.precision.attention_timing.choose_attention", stand_in)
     plugin = GuardedPrecision("bf16-mixed", attention="auto")
-    assert plugin.describe()["attention"].startswith("auto: times this model's step")
+    assert plugin.describe()["attention"].startswith("auto: times this model's attention")
     module = TinyGPT()
     _fit(tmp_path, plugin, 2, module)
     assert calls == ["bf16-mixed"] and module.flash_enabled == [False, False]
@@ -176,7 +236,7 @@ def test_auto_precision_and_auto_attention_are_decided_by_one_timing_applied_and
         return {n: [0.001 if n == winner else 0.002] * 3 for n in names}
 
     monkeypatch.setattr(step_timing, "_sample_interleaved", sample)
-    monkeypatch.setattr(step_timing, "choose_attention", lambda *a, **k: pytest.fail("timed with the modes already"))
+    monkeypatch.setattr(attention_timing, "choose_attention", lambda *a, **k: pytest.fail("timed with the modes already"))
     plugin, module = GuardedPrecision("auto", attention="auto"), TinyGPT()
     _fit(tmp_path, plugin, 2, module)
     assert timed == [(*MODES, *(f"{m}+math" for m in MODES))]
