@@ -200,5 +200,6 @@ class BatchedMuon(Muon):
             for j, i in enumerate(idx):
                 param = params[i]
                 update = ortho[j].T if param.size(0) > param.size(1) else ortho[j]
-                param.mul_(1 - lr * group["weight_decay"])
+                if group["weight_decay"]:  # x 1.0 would be a no-op pass over the matrix
+                    param.mul_(1 - lr * group["weight_decay"])
                 param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
