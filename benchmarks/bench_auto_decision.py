@@ -63,8 +63,8 @@ def main() -> None:
     candidates = list(modes.TIMED_CANDIDATES)
 
     def reference() -> dict[str, float]:
-        samples = step_timing._sample_interleaved(step_timing._detached_copy(model), batch, candidates,
-                                                  args.reference_rounds, float("inf"), step_timing._loss_of)
+        samples = step_timing._sample_interleaved(step_timing.detached_copy(model), batch, candidates,
+                                                  args.reference_rounds, float("inf"), step_timing.loss_of)
         return {m: float(statistics.median(v)) for m, v in samples.items() if v}
 
     before = reference()

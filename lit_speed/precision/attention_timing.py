@@ -24,11 +24,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from lit_speed.precision.step_timing import (
-    _as_step_input,
-    _detached_copy,
-    _loss_of,
-    _ModeRun,
-    _shapes,
+    ModeRun,
+    as_step_input,
+    batch_shapes,
+    detached_copy,
+    loss_of,
     preserved_rng_states,
 )
 from lit_speed.tuning.measured_choice import Decision, measured_choice
@@ -121,7 +121,7 @@ def with_math_attention(module: nn.Module, batch: Any, modes: Sequence[str], dev
     try:
         with preserved_rng_states(), warnings.catch_warnings(), torch.no_grad(), CountAttention() as seen:
             warnings.simplefilter("ignore")
-            _loss_of(_detached_copy(module), _as_step_input(module, batch, device))
+            loss_of(detached_copy(module), as_step_input(module, batch, device))
     except Exception:  # noqa: BLE001 - a step this forward cannot run: the kernel is timed on its own later
         return list(modes)
     if not seen.calls or seen.math_saved_bytes() > cap:
@@ -137,11 +137,11 @@ def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: tor
     name = "precision.attention"
     with preserved_rng_states(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        step_input = _as_step_input(module, batch, device)
-        base = _detached_copy(module)
-        runs = {"default": _ModeRun(base, mode, _loss_of)}  # math's copy only if whole steps are to be timed
+        step_input = as_step_input(module, batch, device)
+        base = detached_copy(module)
+        runs = {"default": ModeRun(base, mode, loss_of)}  # math's copy only if whole steps are to be timed
         with torch.no_grad(), runs["default"].context(), CountAttention(keep_first=True) as seen:
-            _loss_of(runs["default"].model, runs["default"].convert(step_input))
+            loss_of(runs["default"].model, runs["default"].convert(step_input))
         if not seen.calls:
             return Decision(name, "default", "this model's step calls no scaled_dot_product_attention: not timed")
         if seen.math_saved_bytes() > cap:
@@ -149,7 +149,7 @@ def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: tor
                             f"of attention scores for the backward ({seen.calls} calls; over {cap / 2**20:.0f} MiB): "
                             "not timed, torch's pick kept")
         key = {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode,
-               "params": sum(p.numel() for p in module.parameters()), "batch": _shapes(step_input),
+               "params": sum(p.numel() for p in module.parameters()), "batch": batch_shapes(step_input),
                "device": str(device or "cpu"), "timed": "calls" if seen.alike else "steps"}
         if seen.alike and seen.first is not None:
             call = AttentionCall(seen.first, runs["default"].context)
@@ -159,7 +159,7 @@ def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: tor
             decision.reason = decision.reason.replace(
                 "timed here: ", f"timed here, the step's {seen.calls} attention calls (forward and backward): ", 1)
             return decision
-        runs["math"] = _ModeRun(base, mode, _loss_of)
+        runs["math"] = ModeRun(base, mode, loss_of)
 
         def step(kernel: str) -> Callable[[], None]:
             def run() -> None:

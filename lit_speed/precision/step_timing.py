@@ -44,14 +44,15 @@ SETTLE_ROUNDS = 36
 PROCEDURE = 5
 
 
-def _loss_of(module: nn.Module, batch: Any) -> torch.Tensor:
+def loss_of(module: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss of ``module`` on ``batch`` as a training step computes it (``training_step``, else the forward)."""
     step = getattr(module, "training_step", None)
     out = step(batch, 0) if step is not None else module(batch)
     return out["loss"] if isinstance(out, dict) else out
 
 
 def time_modes(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 12, budget_s: float = 1.5,
-               loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _loss_of,
+               loss_fn: Callable[[nn.Module, Any], torch.Tensor] = loss_of,
                use_disk_cache: bool | None = None) -> dict[str, float | None]:
     """Median seconds of a forward+backward+AdamW step of a copy of ``module`` on ``batch`` in each mode.
 
@@ -65,7 +66,7 @@ def time_modes(module: nn.Module, batch: Any, modes: Sequence[str], steps: int =
 
 
 def _timings(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 12, budget_s: float = 1.5,
-             loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _loss_of, use_disk_cache: bool | None = None
+             loss_fn: Callable[[nn.Module, Any], torch.Tensor] = loss_of, use_disk_cache: bool | None = None
              ) -> tuple[dict[str, float | None], str | None]:
     """:func:`time_modes`, and the date the timings were taken when they came from the on-disk cache.
 
@@ -74,7 +75,7 @@ def _timings(module: nn.Module, batch: Any, modes: Sequence[str], steps: int = 1
     def sample() -> dict[str, list[float] | None]:
         with torch.random.fork_rng(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # self.log() outside a loop warns
-            return _sample_interleaved(_detached_copy(module), batch, modes, steps, budget_s, loss_fn)
+            return _sample_interleaved(detached_copy(module), batch, modes, steps, budget_s, loss_fn)
 
     key, device = cache_key(module, batch, modes)
     return measured_times(cache_file(), key, sample, "precision=auto", device=device, use_disk_cache=use_disk_cache,
@@ -98,13 +99,13 @@ def cached_when(module: nn.Module, batch: Any, modes: Sequence[str]) -> str | No
     return None if entry is None else str(entry.get("when"))
 
 
-def _detached_copy(module: nn.Module) -> nn.Module:
+def detached_copy(module: nn.Module) -> nn.Module:
     """A deep copy in train mode, without the attached Trainer (Lightning keeps it on the module)."""
     with pl_compat.detached_from_trainer(module):  # deepcopy the model, not the Trainer
         return copy.deepcopy(module).train()
 
 
-class _ModeRun:
+class ModeRun:
     """One candidate mode: its own copy of the model, optimizer and (``bf16-master``) float32 masters."""
 
     def __init__(self, base: nn.Module, mode: str, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> None:
@@ -144,12 +145,12 @@ def _sample_interleaved(base: nn.Module, batch: Any, modes: Sequence[str], steps
                         loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> dict[str, list[float] | None]:
     """Every timed step's seconds per mode, in round order, by :func:`lit_speed.tuning.time_interleaved` (one
     warm-up step each, then rotating rounds); ``None`` for a mode that could not run or whose loss was not finite."""
-    runs: dict[str, _ModeRun] = {}
+    runs: dict[str, ModeRun] = {}
 
     def candidate(mode: str) -> Callable[[], None]:
         def step() -> None:
             if mode not in runs:  # the warm-up call builds the mode's copy: allocations, kernel selection
-                runs[mode] = _ModeRun(base, mode, loss_fn)  # a RuntimeError here: the mode cannot run this step
+                runs[mode] = ModeRun(base, mode, loss_fn)  # a RuntimeError here: the mode cannot run this step
                 runs[mode].step(batch)
                 if not runs[mode].finite:
                     raise ValueError(f"{mode}: the loss is not finite")  # left out of the rounds
@@ -186,7 +187,7 @@ def auto_mode_for(module: nn.Module, batch: Any, candidates: Sequence[str], devi
     try:
         with preserved_rng_states(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            batch = _as_step_input(module, batch, device)
+            batch = as_step_input(module, batch, device)
             times, when = _timings(module, batch, candidates)
     except Exception as error:  # noqa: BLE001 - a step this timer cannot run (a hook needing the Trainer, ...)
         first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
@@ -199,7 +200,7 @@ def auto_mode_for(module: nn.Module, batch: Any, candidates: Sequence[str], devi
     return mode, reason
 
 
-def _as_step_input(module: nn.Module, batch: Any, device: torch.device | None) -> Any:
+def as_step_input(module: nn.Module, batch: Any, device: torch.device | None) -> Any:
     """``batch`` as ``training_step`` sees it: the module's own transfer hooks, run on a copy of the module."""
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
@@ -207,7 +208,7 @@ def _as_step_input(module: nn.Module, batch: Any, device: torch.device | None) -
     hooks = getattr(module, "on_before_batch_transfer", None)
     if hooks is None:  # a plain nn.Module: only the move
         return move_data_to_device(batch, target)
-    copy_ = _detached_copy(module)
+    copy_ = detached_copy(module)
     batch = copy_.on_before_batch_transfer(batch, 0)
     batch = copy_.transfer_batch_to_device(batch, target, 0)
     return copy_.on_after_batch_transfer(batch, 0)
@@ -246,7 +247,7 @@ def cache_key(module: nn.Module, batch: Any, modes: Sequence[str]) -> tuple[dict
     device = params[0].device if params else torch.device("cpu")
     return {"procedure": PROCEDURE, "model": f"{type(module).__module__}.{type(module).__qualname__}",
             "params": sum(p.numel() for p in params), "dtypes": sorted({str(p.dtype) for p in params}),
-            "batch": _shapes(batch), "modes": list(modes), "device": str(device)}, device
+            "batch": batch_shapes(batch), "modes": list(modes), "device": str(device)}, device
 
 
 def cache_file() -> Path:
@@ -254,13 +255,14 @@ def cache_file() -> Path:
     return cache_dir() / "precision_auto.json"
 
 
-def _shapes(batch: Any) -> Any:
+def batch_shapes(batch: Any) -> Any:
+    """The shapes and dtypes of a batch's tensors, nested as the batch is (part of a timing's cache key)."""
     if isinstance(batch, torch.Tensor):
         return [list(batch.shape), str(batch.dtype)]
     if isinstance(batch, (list, tuple)):
-        return [_shapes(b) for b in batch]
+        return [batch_shapes(b) for b in batch]
     if isinstance(batch, dict):
-        return [[str(k), _shapes(v)] for k, v in sorted(batch.items(), key=lambda kv: str(kv[0]))]
+        return [[str(k), batch_shapes(v)] for k, v in sorted(batch.items(), key=lambda kv: str(kv[0]))]
     return type(batch).__name__
 
 
@@ -294,9 +296,9 @@ def choose_threads(module: nn.Module, batch: Any, mode: str, counts: Sequence[in
     counts = sorted(set(counts) | {current})
     with preserved_rng_states(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        step_input = _as_step_input(module, batch, device)
-        base = _detached_copy(module)
-        runs = {n: _ModeRun(base, mode, _loss_of) for n in counts}
+        step_input = as_step_input(module, batch, device)
+        base = detached_copy(module)
+        runs = {n: ModeRun(base, mode, loss_of) for n in counts}
 
         def at(n: int) -> Callable[[], None]:
             def run() -> None:
@@ -306,7 +308,7 @@ def choose_threads(module: nn.Module, batch: Any, mode: str, counts: Sequence[in
 
         try:
             key = {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode,
-                   "params": sum(p.numel() for p in module.parameters()), "batch": _shapes(step_input)}
+                   "params": sum(p.numel() for p in module.parameters()), "batch": batch_shapes(step_input)}
             return measured_choice("precision.threads", key, {str(n): at(n) for n in counts}, default=str(current))
         finally:
             torch.set_num_threads(current)

@@ -113,7 +113,7 @@ def test_auto_times_the_step_s_attention_calls_not_whole_steps(monkeypatch, tmp_
     """The kernels differ only in the attention: one recorded call, forward and backward with each kernel, times the
     step's calls; no whole training step is timed (the model runs once, a forward without gradients)."""
     monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))  # timed here, not read from another test's cache
-    monkeypatch.setattr(attention_timing._ModeRun, "step", lambda *a: pytest.fail("a whole step was timed"))
+    monkeypatch.setattr(attention_timing.ModeRun, "step", lambda *a: pytest.fail("a whole step was timed"))
     module = TinyGPT()  # two blocks: two attention calls of the same shape
     batch = next(iter(module.train_dataloader()))
     with FlashFlags() as seen:
@@ -213,7 +213,7 @@ def test_each_mode_is_also_a_candidate_with_math_where_the_step_calls_attention(
 @pytest.mark.parametrize("name", ["bf16-mixed", "bf16-mixed+math"])
 def test_a_math_candidate_s_step_runs_the_math_kernel_in_its_mode(name):
     module = TinyGPT()
-    run = step_timing._ModeRun(module, name, step_timing._loss_of)
+    run = step_timing.ModeRun(module, name, step_timing.loss_of)
     run.step(next(iter(module.train_dataloader())))
     assert run.model.flash_enabled == [not name.endswith("+math")]
     assert torch.backends.cuda.flash_sdp_enabled()  # only inside the step

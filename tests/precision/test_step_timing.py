@@ -37,7 +37,7 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_rounds_interleave_the_modes_in_a_rotating_order_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
-    real_init = step_timing._ModeRun.__init__
+    real_init = step_timing.ModeRun.__init__
 
     def init(self, base, mode, loss_fn) -> None:
         real_init(self, base, mode, loss_fn)
@@ -46,8 +46,8 @@ def test_rounds_interleave_the_modes_in_a_rotating_order_within_the_budget(monke
     def step(self, batch) -> None:
         order.append(self.mode)
 
-    monkeypatch.setattr(step_timing._ModeRun, "__init__", init)
-    monkeypatch.setattr(step_timing._ModeRun, "step", step)
+    monkeypatch.setattr(step_timing.ModeRun, "__init__", init)
+    monkeypatch.setattr(step_timing.ModeRun, "step", step)
     samples = step_timing._sample_interleaved(Tiny(), torch.ones(4, 8), MODES, steps=4, budget_s=60.0,
                                               loss_fn=lambda m, b: m(b))
     assert order[:3] == list(MODES)  # one warm-up step each
