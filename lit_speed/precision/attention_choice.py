@@ -9,10 +9,11 @@ kernel that step took 19 ms instead of 24.5 ms in bf16-mixed, while in float32 f
 model's attention calls (forward and backward, on copies of the step's own inputs: the rest of the step is the same
 with either kernel, :mod:`.attention_timing`) with torch's pick and with the math kernel, in the precision mode the
 run uses, keeps torch's pick unless math is faster by the tuning margin, caches the timings per machine and
-checkpoints the choice (a resume keeps it). When ``precision=auto`` times its modes too, each mode is timed with both kernels in one interleaved
-timing and the (mode, kernel) pair is chosen together: timed apart, each choice sees the other's first guess
-(Zen4, charlm: the modes tied with torch's kernel, 32-true 50.7 ms and bf16-master 48.8 ms a step, while
-bf16-master with math took 35.9 ms). The kernels compute the same attention; their
+checkpoints the choice (a resume keeps it). When ``precision=auto`` times its modes too, each mode's attention calls are timed first and each
+mode is then timed, as whole steps, with its own faster kernel: the (mode, kernel) pair is chosen together. Timed
+apart, each choice saw the other's first guess (Zen4, charlm: the modes tied with torch's kernel, 32-true 50.7 ms and
+bf16-master 48.8 ms a step, while bf16-master with math took 35.9 ms); timed as every (mode, kernel) pair, six
+whole-step candidates took the 1.5 s budget. The kernels compute the same attention; their
 summation order differs, as between any two kernels.
 
 The math kernel materialises the ``L x S`` attention probabilities and autograd keeps them for the backward: at
@@ -52,6 +53,7 @@ class AttentionChoice:
         self.chosen = attention if attention in KERNELS else "default"
         self.reason = "requested" if attention in KERNELS else "torch's pick"
         self.pending = attention == "auto"  # timed on the first training batch
+        self.per_mode: dict[str, Any] = {}  # precision=auto's modes -> their attention Decision (with_modes)
 
     def check_device(self, device_type: str) -> None:
         """A named kernel the device has no such kernel for is refused at setup, not at the first forward."""
@@ -76,11 +78,32 @@ class AttentionChoice:
         rank_zero_info(f"GuardedPrecision: attention=auto -> {self.shown()} ({self.reason})")
 
     def with_modes(self, module: Any, batch: Any, modes: Sequence[str], device: Any) -> list[str]:
-        """``precision=auto``'s candidate modes, each also with the math kernel while this setting is ``auto`` and
-        undecided (:func:`~lit_speed.precision.attention_timing.with_math_attention`): the two are timed together."""
-        from lit_speed.precision.attention_timing import with_math_attention
+        """``precision=auto``'s candidate modes, each with its own faster kernel while this setting is ``auto`` and
+        undecided: every mode's attention calls are timed first (:func:`~lit_speed.precision.attention_timing.
+        choose_attention`, a fraction of a step each) and a mode whose calls run faster with math is timed as
+        ``"<mode>+math"``, so the whole-step timing of the modes decides the pair (:meth:`take_joint`) with one
+        candidate per mode. Which kernel is faster depends on the dtype (Zen4, charlm: bf16-master with torch's
+        pick 49.6 ms a step, with math 35.9, 32-true 50.7): a mode timed with one kernel is not the mode's speed.
+        Only ``modes`` (the kernel then decided alone, in the chosen mode) when a mode's calls were not timed."""
+        from lit_speed.precision.attention_timing import choose_attention
 
-        return with_math_attention(module, batch, modes, device) if self.pending else list(modes)
+        self.per_mode = {}
+        if not self.pending:
+            return list(modes)
+        decisions = {}
+        for mode in modes:
+            try:
+                decisions[mode] = choose_attention(module, batch, mode, device)
+            except Exception:  # noqa: BLE001 - a step this timer cannot run: the kernel is decided alone later
+                return list(modes)
+            if not decisions[mode].times:  # no attention calls, or math over the cap: decided alone later
+                return list(modes)
+        self.per_mode = decisions
+        return [mode if d.chosen == "default" else f"{mode}+{d.chosen}" for mode, d in decisions.items()]
+
+    def per_mode_line(self) -> str:
+        """What :meth:`with_modes` timed, for the precision decision's reason (empty when it timed nothing)."""
+        return "".join(f"; {mode}'s attention: {d.chosen} ({d.reason})" for mode, d in self.per_mode.items())
 
     def take_joint(self, chosen: str, reason: str) -> str:
         """The mode of ``precision=auto``'s decision ``chosen``; a ``"<mode>+<kernel>"`` one decides the kernel too."""

@@ -7,19 +7,19 @@ call's forward and backward with torch's pick and with the math kernel, interlea
 the step's attention time is one call's median times the calls. On charlm_fast's fp32 path (Zen4, 2 threads) whole
 steps took ~1 s to decide (10 rounds of two ~45 ms steps, the kernels 2-4% apart), a ~30 s race's 3%; its four
 calls take about a millisecond a round. When the calls differ (shapes, dtypes, options), the whole step is timed with
-each kernel instead. With ``precision=auto`` the (mode, kernel) pairs are timed together as whole steps
-(:func:`with_math_attention`): there the mode changes the rest of the step too.
+each kernel instead. With ``precision=auto`` every mode's calls are timed this way first, then the modes as whole steps,
+each with its faster kernel (``AttentionChoice.with_modes``): there the mode changes the rest of the step too.
 """
 from __future__ import annotations
 
 import math
 import warnings
 from contextlib import nullcontext
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
@@ -109,24 +109,6 @@ class AttentionCall:
                 leaf.grad = None
         if out.device.type == "cuda":
             torch.cuda.synchronize()  # the call's kernels are in its time
-
-
-def with_math_attention(module: nn.Module, batch: Any, modes: Sequence[str], device: torch.device | None = None,
-                        cap: int = MATH_SAVED_CAP) -> list[str]:
-    """``modes`` and each of them with the math attention kernel (``"<mode>+math"``), for ``precision=auto`` and
-    ``attention=auto`` timed together: which kernel is faster depends on the dtype (Zen4, charlm: bf16-master with
-    torch's pick 49.6 ms a step, with math 35.9, 32-true 50.7), so a mode timed with one kernel is not the mode's
-    speed. Only ``modes`` when the step calls no ``scaled_dot_product_attention``, math would keep more than
-    ``cap`` bytes of scores, or a forward cannot run here (:func:`choose_attention` then decides alone)."""
-    try:
-        with preserved_rng_states(), warnings.catch_warnings(), torch.no_grad(), CountAttention() as seen:
-            warnings.simplefilter("ignore")
-            loss_of(detached_copy(module), as_step_input(module, batch, device))
-    except Exception:  # noqa: BLE001 - a step this forward cannot run: the kernel is timed on its own later
-        return list(modes)
-    if not seen.calls or seen.math_saved_bytes() > cap:
-        return list(modes)
-    return [*modes, *(f"{m}+math" for m in modes)]
 
 
 def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: torch.device | None = None,

@@ -280,7 +280,7 @@ class GuardedPrecision(GuardReport, Precision):
         first) training batch, keep the fastest, and switch to it before the batch is trained on. Rank 0 times
         for every process. Nothing of the run is touched: the model is copied, no batch is drawn, and the RNG
         states training sees are restored (:func:`~lit_speed.precision.step_timing.auto_mode_for`). With
-        ``attention=auto``, each mode is timed with either kernel and the pair decided together."""
+        ``attention=auto``, each mode is timed with its faster kernel (its calls timed first): the pair is decided."""
         trainer, candidates = self._trainer, self._timing_candidates
         assert trainer is not None and candidates is not None
         self._timing_candidates = None
@@ -293,8 +293,8 @@ class GuardedPrecision(GuardReport, Precision):
                 rule = self.reason.split("; times ", 1)[0]
                 return (self._resolve(self.device_type or "cpu", probe=True)[0],
                         f"{rule}; {decided[1] if decided else 'could not time this model on its batch'}")
-            joint = len(timed) > len(candidates) and "+" not in decided[0]  # the kernel was timed too: torch's won
-            return (f"{decided[0]}+default" if joint else decided[0], decided[1])
+            joint = bool(self.attention.per_mode) and "+" not in decided[0]  # timed per mode: torch's won in it
+            return (f"{decided[0]}+default" if joint else decided[0], decided[1] + self.attention.per_mode_line())
 
         chosen, self.reason = on_rank_zero(time_modes, trainer)
         self._switch_to(self.attention.take_joint(chosen, self.reason))

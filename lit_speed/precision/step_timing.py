@@ -109,7 +109,7 @@ class ModeRun:
     """One candidate mode: its own copy of the model, optimizer and (``bf16-master``) float32 masters."""
 
     def __init__(self, base: nn.Module, mode: str, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> None:
-        mode, _, self.kernel = mode.partition("+")  # "<mode>+math": the math attention kernel (with_math_attention)
+        mode, _, self.kernel = mode.partition("+")  # "<mode>+math": the math attention kernel (AttentionChoice.with_modes)
         spec = mode_table.spec(mode)
         self.model = copy.deepcopy(base)
         self.device_type = next(self.model.parameters()).device.type

@@ -14,7 +14,7 @@ from lit_speed import GuardedPrecision
 from lit_speed.models.gpt import GPT
 from lit_speed.precision import attention_timing, step_timing
 from lit_speed.precision.attention_choice import AttentionChoice
-from lit_speed.precision.attention_timing import CountAttention, choose_attention, with_math_attention
+from lit_speed.precision.attention_timing import CountAttention, choose_attention
 from lit_speed.tuning import Decision, machine_cache
 
 
@@ -194,20 +194,44 @@ def test_without_the_setting_torch_picks_and_nothing_is_saved(tmp_path):
     assert "attention" not in torch.load(tmp_path / "last.ckpt", weights_only=True)["GuardedPrecision"]
 
 
-# ---- precision=auto and attention=auto: the (mode, kernel) pairs timed together, once ------------------------------
+# ---- precision=auto and attention=auto: each mode with its faster kernel, timed together, once ------------------------------
 
 MODES = ("32-true", "bf16-master", "bf16-mixed")
 
 
-def test_each_mode_is_also_a_candidate_with_math_where_the_step_calls_attention():
+def _kernel_per_mode(winners: dict[str, str], calls: list[str]):
+    """A stand-in for choose_attention: ``winners[mode]`` wins in that mode (the timing itself is tested above)."""
+    def choose(module, batch, mode, device=None):
+        calls.append(mode)
+        kernel = winners.get(mode, "default")
+        return Decision("precision.attention", kernel, f"stand-in: {kernel} in {mode}", {"default": 2.0, "math": 1.0})
+    return choose
+
+
+def test_each_mode_is_a_candidate_with_its_own_faster_kernel(monkeypatch):
+    module = TinyGPT()
+    batch = next(iter(module.train_dataloader()))
+    calls: list[str] = []
+    monkeypatch.setattr(attention_timing, "choose_attention",
+                        _kernel_per_mode({"bf16-master": "math", "bf16-mixed": "math"}, calls))
+    choice = AttentionChoice("auto")
+    assert choice.with_modes(module, batch, MODES, None) == ["32-true", "bf16-master+math", "bf16-mixed+math"]
+    assert calls == list(MODES) and choice.per_mode_line().startswith("; 32-true's attention: default (stand-in")
+    assert AttentionChoice("math").with_modes(module, batch, MODES, None) == list(MODES)  # named: nothing to time
+    not_timed = Decision("precision.attention", "default", "calls no scaled_dot_product_attention: not timed")
+    monkeypatch.setattr(attention_timing, "choose_attention", lambda *a, **k: not_timed)
+    assert choice.with_modes(module, batch, MODES, None) == list(MODES) and choice.per_mode_line() == ""
+    monkeypatch.setattr(attention_timing, "choose_attention", lambda *a, **k: 1 / 0)
+    assert choice.with_modes(module, batch, MODES, None) == list(MODES) and choice.pending  # decided alone later
+
+
+def test_each_mode_s_calls_are_timed_for_real_on_copies():
     module = TinyGPT()
     batch = next(iter(module.train_dataloader()))
     rng = torch.get_rng_state()
-    assert with_math_attention(module, batch, MODES) == [*MODES, "32-true+math", "bf16-master+math", "bf16-mixed+math"]
-    assert torch.equal(rng, torch.get_rng_state()) and module.flash_enabled == []  # counted on a copy
-    assert with_math_attention(module, batch, MODES, cap=1024) == list(MODES)  # math would keep too much
-    assert with_math_attention(LinearLoss(), torch.randn(2, 4), MODES) == list(MODES)  # no attention
-    assert with_math_attention(LinearLoss(), "not a batch", MODES) == list(MODES)  # a forward that cannot run
+    names = AttentionChoice("auto").with_modes(module, batch, MODES, None)
+    assert [n.partition("+")[0] for n in names] == list(MODES) and {n.partition("+")[2] for n in names} <= {"", "math"}
+    assert torch.equal(rng, torch.get_rng_state()) and module.flash_enabled == []
 
 
 @pytest.mark.parametrize("name", ["bf16-mixed", "bf16-mixed+math"])
@@ -223,8 +247,9 @@ def test_a_math_candidate_s_step_runs_the_math_kernel_in_its_mode(name):
                                                         ("bf16-mixed", "bf16-mixed", "default")])
 def test_auto_precision_and_auto_attention_are_decided_by_one_timing_applied_and_saved(
         tmp_path, monkeypatch, winner, mode, kernel):
-    """Both ``auto``: one interleaved timing of every (mode, kernel) pair decides both; the kernel is not timed again
-    on its own, the run trains in the pair, and the checkpoint holds both (a resume keeps them, tested above)."""
+    """Both ``auto``: each mode's calls timed once, then one interleaved timing of the modes, each with its faster
+    kernel, decides both; the kernel is not timed again on its own, the run trains in the pair, and the checkpoint
+    holds both (a resume keeps them, tested above)."""
     monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(machine_cache, "_IN_PROCESS", {})
     monkeypatch.setattr("lit_speed.precision.guarded_precision.cpu_has_native_bf16", lambda: True)
@@ -236,13 +261,14 @@ def test_auto_precision_and_auto_attention_are_decided_by_one_timing_applied_and
         return {n: [0.001 if n == winner else 0.002] * 3 for n in names}
 
     monkeypatch.setattr(step_timing, "_sample_interleaved", sample)
-    monkeypatch.setattr(attention_timing, "choose_attention", lambda *a, **k: pytest.fail("timed with the modes already"))
+    calls: list[str] = []
+    monkeypatch.setattr(attention_timing, "choose_attention", _kernel_per_mode({"bf16-master": "math"}, calls))
     plugin, module = GuardedPrecision("auto", attention="auto"), TinyGPT()
     _fit(tmp_path, plugin, 2, module)
-    assert timed == [(*MODES, *(f"{m}+math" for m in MODES))]
+    assert timed == [("32-true", "bf16-master+math", "bf16-mixed")] and calls == list(MODES)
     assert (plugin.mode, plugin.attention.chosen) == (mode, kernel)
     assert plugin.attention.reason.startswith("timed together with the precision modes: timed this model's step")
-    assert f"{winner} 1.0 ms" in plugin.reason
+    assert f"{winner} 1.0 ms" in plugin.reason and "; bf16-master's attention: math (stand-in" in plugin.reason
     assert module.flash_enabled == [kernel == "default"] * 2
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["GuardedPrecision"]
     assert saved["attention"] == kernel
