@@ -139,7 +139,10 @@ def test_release_at_exit_leaves_no_gloo_thread_to_the_finalization(release):
     """A process lit_speed does not end itself (a ddp_spawn worker): the atexit hook destroys the group while the
     interpreter is whole, and its worker threads are joined before the finalization; without it they are left."""
     done = _python(SPAWNED_WORKER.format(port=free_port(), release=release))
-    assert done.returncode == 0, done.stderr[-2000:]
+    # without the hook the threads left to the finalization may abort it (-6, "terminate called without an active
+    # exception": the hazard the hook removes, pytorch#190489): once in three default-tier runs on Z4, 2026-12-03
+    assert done.returncode == 0 or (not release and done.returncode == -6
+                                    and "terminate called" in done.stderr), done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[0] == "running: True"
     if release:
