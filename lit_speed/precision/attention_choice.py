@@ -9,11 +9,11 @@ kernel that step took 19 ms instead of 24.5 ms in bf16-mixed, while in float32 f
 model's attention calls (forward and backward, on copies of the step's own inputs: the rest of the step is the same
 with either kernel, :mod:`.attention_timing`) with torch's pick and with the math kernel, in the precision mode the
 run uses, keeps torch's pick unless math is faster by the tuning margin, caches the timings per machine and
-checkpoints the choice (a resume keeps it). When ``precision=auto`` times its modes too, each mode's attention calls are timed first and each
-mode is then timed, as whole steps, with its own faster kernel: the (mode, kernel) pair is chosen together. Timed
-apart, each choice saw the other's first guess (Zen4, charlm: the modes tied with torch's kernel, 32-true 50.7 ms and
-bf16-master 48.8 ms a step, while bf16-master with math took 35.9 ms); timed as every (mode, kernel) pair, six
-whole-step candidates took the 1.5 s budget. The kernels compute the same attention; their
+checkpoints the choice (a resume keeps it). When ``precision=auto`` times its modes too, each mode's attention calls
+are timed first and each mode is then timed, as whole steps, with its own faster kernel: the (mode, kernel) pair is
+chosen together. Timed apart, each choice saw the other's first guess (Zen4, charlm: the modes tied with torch's
+kernel, 32-true 50.7 ms and bf16-master 48.8 ms a step, while bf16-master with math took 35.9 ms); timed as every
+(mode, kernel) pair, six whole-step candidates shared the 1.5 s budget. The kernels compute the same attention; their
 summation order differs, as between any two kernels.
 
 The math kernel materialises the ``L x S`` attention probabilities and autograd keeps them for the backward: at
@@ -119,8 +119,8 @@ class AttentionChoice:
 
     def describe(self) -> str:
         if self.pending:
-            return ("auto: times this model's attention with torch's pick and the math kernel on the first training "
-                    "batch (whole steps in each mode precision=auto times, when it times them)")
+            return ("auto: times this model's attention calls with torch's pick and the math kernel on the first "
+                    "training batch (in each mode precision=auto times, when it times them)")
         return f"{self.shown()} ({self.reason})"
 
     def state_dict(self) -> dict[str, Any]:
