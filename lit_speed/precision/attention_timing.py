@@ -141,14 +141,8 @@ def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: tor
             decision.reason = decision.reason.replace(
                 "timed here: ", f"timed here, the step's {seen.calls} attention calls (forward and backward): ", 1)
             return decision
-        runs["math"] = ModeRun(base, mode, loss_of)
-
-        def step(kernel: str) -> Callable[[], None]:
-            def run() -> None:
-                with sdpa_kernel([SDPBackend.MATH]) if kernel == "math" else nullcontext():
-                    runs[kernel].step(step_input)
-            return run
-
-        decision = measured_choice(name, key, {"default": step("default"), "math": step("math")}, default="default")
+        runs["math"] = ModeRun(base, f"{mode}+math", loss_of)  # ModeRun's "+math": its steps run the math kernel
+        decision = measured_choice(name, key, {k: (lambda k=k: runs[k].step(step_input)) for k in runs},
+                                   default="default")
         decision.reason = decision.reason.replace("timed here: ", "timed here, whole steps (the calls differ): ", 1)
         return decision
