@@ -50,8 +50,8 @@ class GuardedPrecision(GuardReport, Precision):
         matmul_precision: ``highest`` | ``high`` | ``medium`` (TF32 on Ampere+) for float32 matmuls, or ``None``.
         fp32_modules: Classes, class names or module names kept in float32 under autocast.
         max_cpu_slowdown: Warn when a CPU low-precision matmul probes slower than this ratio to fp32.
-        threads: Intra-op threads: ``None`` (torch's), an int, or ``"auto"``: this model's step timed at 1..cores
-            threads on the first training batch, before ``auto`` times the modes (see :mod:`.thread_choice`).
+        threads: Intra-op threads: ``None`` (torch's), an int, or ``"auto"``: timed at 1..cores threads on the run's
+            first optimizer steps (copies of the step first, in a deterministic run; see :mod:`.thread_choice`).
         attention: ``scaled_dot_product_attention``'s kernel: ``None`` (torch's), ``math``, ``flash``, ... or
             ``"auto"``: torch's pick and math timed on the first batch, in the mode in use (:mod:`.attention_choice`).
 
@@ -239,6 +239,7 @@ class GuardedPrecision(GuardReport, Precision):
 
     @override
     def teardown(self) -> None:
+        self.threads.finish()  # a run that ended during threads=auto's trial: decided from the steps it timed
         if self._islands is not None:
             self._islands.remove()
         if self._previous_matmul_precision is not None:
@@ -264,7 +265,7 @@ class GuardedPrecision(GuardReport, Precision):
     @override
     def convert_input(self, data: Any) -> Any:
         # the training loop hands every batch here before its transfer: threads=auto, then precision=auto, then
-        # attention=auto time the first one
+        # attention=auto decide at the first one
         training = self._trainer is not None and self._trainer.training and not self._trainer.sanity_checking
         if training and self.threads.pending:
             self.threads.decide(self._trainer, data, self.mode)
@@ -272,6 +273,8 @@ class GuardedPrecision(GuardReport, Precision):
             self._decide_by_timing(data)
         if training and self.attention.pending:  # in the mode just chosen
             self.attention.decide(self._trainer, data, self.mode)
+        if training and self.threads.trial is not None:  # threads=auto timed on the run's own steps
+            self.threads.on_batch(self._trainer.global_step)
         module_dtype = self._spec.module_dtype  # a bf16 module (bf16-true, bf16-master) takes bf16 inputs
         return cast_floating(data, module_dtype) if module_dtype is not None else data
 

@@ -1,15 +1,25 @@
-"""The intra-op thread count of a run: left to torch, set, or timed on the model's first training batch.
+"""The intra-op thread count of a run: left to torch, set, or timed on the model's first training steps.
 
 On a CPU the best thread count for a small model is not always "all cores": synchronising threads costs more
 than a small matmul gains, and the break-even point depends on the CPU and the model. ``threads="auto"`` times
-the user's own step at 1, 2, 4, ... up to this process's share of the cores (:func:`~lit_speed.precision.
-step_timing.choose_threads`, cached per machine) and keeps the fastest. :class:`GuardedPrecision` owns the first
-batch, so it asks this helper before it times the precision modes (whose timings are then taken at the chosen
-count). The choice goes into the checkpoint and a resume reuses it.
+the user's own step at 1, 2, 4, ... up to this process's share of the cores and keeps the fastest (cached per
+machine; the choice goes into the checkpoint and a resume reuses it).
+
+Where it times: a single-process run that is not deterministic times **the run's own first optimizer steps**
+(:class:`StepTrial`): each count trains whole optimizer steps in turn, the first step of each count is its
+warm-up, and after 3-6 rounds the fastest count trains the rest of the run. Nothing is copied and no step is
+thrown away; the trial costs the slower counts' extra time on its few steps. Copies of the model timed apart took
+0.5-1.2 s of a ~30 s charlm_fast run on a Zen4 (2 threads 44 ms a step, 1 thread 64 ms), and a copy of a model
+and its optimizer per count at real size. A deterministic run (Lightning's ``deterministic=True``) and a run of
+several processes time copies before the first step (:func:`~lit_speed.precision.step_timing.choose_threads`),
+so that every step of the run uses one count (MKL's sums depend on it) and the ranks decide together. The
+precision modes and the attention kernel (``auto``) are timed at the first batch, before the trial, at the count
+in use then; a deterministic or multi-process run times its count first.
 """
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -17,6 +27,12 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_speed.data.pipeline import available_cores  # a shared module: the one home of this fact
 from lit_speed.tuning import on_rank_zero
+from lit_speed.tuning.machine_cache import OtherLoad
+from lit_speed.tuning.measured_choice import SEPARATED_AFTER, cached_choice, recorded_choice, separated
+
+#: :class:`StepTrial` decides after at most this many rounds (one optimizer step per count each), sooner once the
+#: counts are separated (after :data:`~lit_speed.tuning.measured_choice.SEPARATED_AFTER` rounds).
+TRIAL_ROUNDS = 6
 
 
 class ThreadChoice:
@@ -39,7 +55,8 @@ class ThreadChoice:
         self.requested = threads
         self.chosen: int | None = threads if isinstance(threads, int) else None
         self.reason = "requested" if self.chosen is not None else "torch's default"
-        self.pending = threads == "auto"  # timed on the first training batch
+        self.pending = threads == "auto"  # decided on the first training batch
+        self.trial: StepTrial | None = None  # auto: the counts being timed on the run's own steps
 
     def apply_fixed(self) -> None:
         """Set a requested or restored count (at setup). In a deterministic run (``torch.
@@ -53,24 +70,56 @@ class ThreadChoice:
             torch.set_num_threads(torch.get_num_threads())
 
     def decide(self, trainer: Any, batch: Any, mode: str) -> None:
-        """``threads="auto"``: rank 0 times the step at each candidate count, every rank uses its choice."""
-        from lit_speed.precision.step_timing import choose_threads, thread_candidates
-
-        def time_it() -> Any:
-            counts = thread_candidates(os.cpu_count() or 1, int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                                               trainer.num_devices or 1)))
-            return choose_threads(trainer.lightning_module, batch, mode, counts, trainer.strategy.root_device)
+        """``threads="auto"`` at the first training batch: this machine's cached choice, else a :class:`StepTrial` on
+        the run's own steps (single process, not deterministic), else rank 0 times copies of the step at each count
+        and every rank uses its choice."""
+        from lit_speed.precision.step_timing import as_step_input, batch_shapes, choose_threads, thread_candidates
 
         self.pending = False
         kept = torch.get_num_threads()
-        chosen, self.reason = on_rank_zero(lambda: timed_or_kept(time_it, kept, "kept"), trainer)
-        self.chosen = int(chosen)
+        counts = thread_candidates(os.cpu_count() or 1, int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                           trainer.num_devices or 1)))
+        if trainer.world_size == 1 and not torch.are_deterministic_algorithms_enabled() and len(set(counts)) > 1:
+            module = trainer.lightning_module
+            key = {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode, "on_run": True,
+                   "threads": kept,  # the count the run started with: the trial's own switches are not in its key
+                   "params": sum(p.numel() for p in module.parameters()),
+                   "batch": batch_shapes(as_step_input(module, batch, trainer.strategy.root_device))}
+            order = [str(n) for n in sorted(set(counts) | {kept}, key=lambda n: n != kept)]  # the count in use first
+            cached = cached_choice(NAME, key, order, str(kept))
+            if cached is None:
+                self.trial = StepTrial(order, key)
+                rank_zero_info(f"GuardedPrecision: threads=auto times {', '.join(order)} threads on this run's first "
+                               "optimizer steps (each count in turn; no copy of the model)")
+                return
+            self._take(cached.chosen, cached.reason)
+            return
+
+        def time_it() -> Any:
+            return choose_threads(trainer.lightning_module, batch, mode, counts, trainer.strategy.root_device)
+
+        self._take(*on_rank_zero(lambda: timed_or_kept(time_it, kept, "kept"), trainer))
+
+    def on_batch(self, global_step: int) -> None:
+        """Every training batch while a :class:`StepTrial` runs (``GuardedPrecision.convert_input``)."""
+        if self.trial is not None and self.trial.on_batch(global_step):
+            self.finish()
+
+    def finish(self) -> None:
+        """Decide a running trial from the rounds it has (at the trial's end, or when the run ends during it)."""
+        trial, self.trial = self.trial, None
+        if trial is not None:
+            self._take(*trial.decide())
+
+    def _take(self, chosen: Any, reason: str) -> None:
+        self.chosen, self.reason = int(chosen), reason
         torch.set_num_threads(self.chosen)
         rank_zero_info(f"GuardedPrecision: threads=auto -> {self.chosen} ({self.reason})")
 
     def describe(self) -> str:
-        if self.pending:
-            return "auto: times this model's step at 1..cores intra-op threads on the first training batch"
+        if self.pending or self.trial is not None:
+            return ("auto: times this model's step at 1..cores intra-op threads on the run's first optimizer steps "
+                    "(copies of the step in a deterministic or multi-process run)")
         return f"{self.chosen if self.chosen is not None else torch.get_num_threads()} ({self.reason})"
 
     def state_dict(self) -> dict[str, Any]:
@@ -82,6 +131,62 @@ class ThreadChoice:
             self.chosen, self.pending = int(state["threads"]), False
             self.reason = f"restored from the checkpoint (not timed again): {state.get('threads_reason', '')}"
             torch.set_num_threads(self.chosen)
+
+
+NAME = "precision.threads"
+
+
+class StepTrial:
+    """``threads=auto`` timed on the run's own optimizer steps: each count in ``order`` trains one optimizer step in
+    turn (the first round is the warm-up; then the order rotates every round), timed from the first batch of the
+    step to the first batch of the next (gradient accumulation, data loading and callbacks included, per batch).
+    Decided after :data:`TRIAL_ROUNDS` timed rounds, or once :func:`~lit_speed.tuning.measured_choice.separated`
+    after :data:`~lit_speed.tuning.measured_choice.SEPARATED_AFTER`; the count in use at the start is kept unless
+    another is faster by the tuning margin, and the timings are cached per machine like every measured choice."""
+
+    def __init__(self, order: list[str], key: dict[str, Any]) -> None:
+        self.order, self.key = order, key
+        self.samples: dict[str, list[float]] = {n: [] for n in order}
+        self.windows = 0  # optimizer steps finished in the trial
+        self.step: int | None = None  # the global step the current window started at
+        self.start = 0.0
+        self.batches = 0
+        self.load = OtherLoad().__enter__()
+
+    def count(self, window: int) -> str:
+        n = len(self.order)
+        rnd, i = divmod(window, n)
+        return self.order[(i + max(rnd - 1, 0)) % n]  # round 0 is the warm-up in order; then rotating rounds
+
+    def rounds(self) -> int:
+        return max(self.windows // len(self.order) - 1, 0)
+
+    def on_batch(self, global_step: int) -> bool:
+        """Called before every training batch; True when the trial is over."""
+        now = time.perf_counter()
+        if self.step is not None and global_step == self.step:
+            self.batches += 1
+            return False
+        if self.step is not None:  # an optimizer step ended: its time per batch goes to its count
+            if self.windows >= len(self.order):
+                self.samples[self.count(self.windows)].append((now - self.start) / self.batches)
+            self.windows += 1
+            done = self.rounds() >= TRIAL_ROUNDS or (self.rounds() >= SEPARATED_AFTER and self.windows % len(
+                self.order) == 0 and separated(self.samples))
+            if done:
+                return True
+        torch.set_num_threads(int(self.count(self.windows)))
+        self.step, self.start, self.batches = global_step, now, 1
+        return False
+
+    def decide(self) -> tuple[str, str]:
+        self.load.__exit__(None, None, None)
+        steps = self.windows
+        if not all(self.samples.values()):  # the run ended before every count had a timed step
+            return self.order[0], f"kept: the run ended during the trial ({steps} optimizer steps)"
+        decision = recorded_choice(NAME, self.key, self.samples, self.order[0], self.load,
+                                   f"timed on this run's first {steps} optimizer steps")
+        return decision.chosen, decision.reason
 
 
 def timed_or_kept(time_it: Callable[[], Any], kept: Any, kept_why: str) -> tuple[Any, str]:

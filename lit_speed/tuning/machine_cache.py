@@ -208,15 +208,37 @@ def measured_times(path: Path, key: Mapping[str, Any], sample: Callable[[], Mapp
         if settled is not None:
             samples = pool_samples(entry.get("samples") if entry else None, samples)
             kept = {"samples": samples}
-        entry = {"times": {n: statistics.median(v) if v else None for n, v in samples.items()}, **kept}
-        if use_disk and load.busy:
-            _say_busy(what, load.cores)
-        elif use_disk:
-            write_entry(path, full, entry, what)
-        entry = {**entry, "when": None}
+        entry = {**_store(path, full, samples, what, load, use_disk, kept), "when": None}
     if in_process:
         _IN_PROCESS[full] = entry
     return dict(entry["times"]), entry.get("when")
+
+
+def cached_times(path: Path, key: Mapping[str, Any], device: Any = None, use_disk_cache: bool | None = None
+                 ) -> tuple[dict[str, float | None], str] | None:
+    """:func:`measured_times`' lookup alone: the cached medians for ``key`` and their date, or ``None`` (not cached,
+    or the disk cache off). For a choice timed on the run's own steps, which cannot time on demand."""
+    use_disk = disk_cache_enabled() if use_disk_cache is None else use_disk_cache
+    entry = read_json(path).get(timing_key(key, device)) if use_disk else None
+    return None if entry is None else (dict(entry["times"]), entry.get("when") or "")
+
+
+def store_times(path: Path, key: Mapping[str, Any], samples: Mapping[str, list[float] | None], what: str,
+                load: "OtherLoad", device: Any = None, use_disk_cache: bool | None = None) -> dict[str, float | None]:
+    """:func:`measured_times`' store alone, for samples taken elsewhere (over the run's own steps, ``load`` measured
+    around them): their medians, written to the cache unless the machine was busy (then said once)."""
+    use_disk = disk_cache_enabled() if use_disk_cache is None else use_disk_cache
+    return dict(_store(path, timing_key(key, device), dict(samples), what, load, use_disk, {})["times"])
+
+
+def _store(path: Path, full: str, samples: dict[str, Any], what: str, load: "OtherLoad", use_disk: bool,
+           kept: dict[str, Any]) -> dict[str, Any]:
+    entry = {"times": {n: statistics.median(v) if v else None for n, v in samples.items()}, **kept}
+    if use_disk and load.busy:
+        _say_busy(what, load.cores)
+    elif use_disk:
+        write_entry(path, full, entry, what)
+    return entry
 
 
 def _say_busy(what: str, cores: float) -> None:

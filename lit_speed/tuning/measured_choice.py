@@ -12,9 +12,10 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from lit_speed.tuning.machine_cache import cache_dir, measured_times
+from lit_speed.tuning.machine_cache import OtherLoad, cache_dir, cached_times, measured_times, store_times
 
 #: The default is kept unless another candidate takes at most ``1 - MIN_GAIN`` of its time: one margin for every
 #: measured choice (precision=auto, threads, Muon's dtype, AdamW's kernel). It is also the most a wrong keep of
@@ -124,11 +125,44 @@ def measured_choice(name: str, key: Mapping[str, Any], candidates: Mapping[str, 
             keeps the medians, so ``scale`` may change between runs without re-timing.
         unit: ``ms`` or ``s``, for the reason's times.
     """
-    path = cache_dir() / f"{name.replace('/', '_')}.json"
-    medians, cached_on = measured_times(path, {"name": name, "candidates": sorted(candidates), **dict(key)},
+    path = _path(name)
+    medians, cached_on = measured_times(path, _full_key(name, candidates, key),
                                         lambda: time_interleaved(candidates, rounds, budget_s), name,
                                         use_disk_cache=use_disk_cache)
-    times = medians if scale is None else {n: None if t is None else t * scale[n] for n, t in medians.items()}
+    return _decision(name, path, medians, cached_on, default, min_gain, unit, scale)
+
+
+def cached_choice(name: str, key: Mapping[str, Any], candidates: Sequence[str], default: str,
+                  min_gain: float = MIN_GAIN, unit: str = "ms") -> Decision | None:
+    """:func:`measured_choice` from this machine's cache alone (the same file and key), ``None`` when not cached:
+    for a choice timed on the run's own steps (:func:`recorded_choice` stores what those steps measured)."""
+    path = _path(name)
+    found = cached_times(path, _full_key(name, candidates, key))
+    return None if found is None else _decision(name, path, found[0], found[1], default, min_gain, unit)
+
+
+def recorded_choice(name: str, key: Mapping[str, Any], samples: Mapping[str, list[float] | None], default: str,
+                    load: OtherLoad, how: str, min_gain: float = MIN_GAIN, unit: str = "ms") -> Decision:
+    """:func:`measured_choice` of samples timed elsewhere (``how`` replaces "timed here" in the reason), cached as
+    :func:`measured_choice` caches its own timings unless ``load`` saw a busy machine."""
+    path = _path(name)
+    medians = store_times(path, _full_key(name, samples, key), samples, name, load)
+    decision = _decision(name, path, medians, None, default, min_gain, unit)
+    decision.reason = decision.reason.replace("timed here", how, 1)
+    return decision
+
+
+def _path(name: str) -> Path:
+    return cache_dir() / f"{name.replace('/', '_')}.json"
+
+
+def _full_key(name: str, candidates: Iterable[str], key: Mapping[str, Any]) -> dict[str, Any]:
+    return {"name": name, "candidates": sorted(candidates), **dict(key)}
+
+
+def _decision(name: str, path: Path, medians: Mapping[str, float | None], cached_on: str | None, default: str,
+              min_gain: float, unit: str, scale: Mapping[str, float] | None = None) -> Decision:
+    times = dict(medians) if scale is None else {n: None if t is None else t * scale[n] for n, t in medians.items()}
     chosen, reason = choose_fastest(times, default, min_gain, unit)
     if cached_on:
         reason = f"{reason} (cached {cached_on} in {path})"

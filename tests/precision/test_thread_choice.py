@@ -1,10 +1,11 @@
-"""threads=auto: the intra-op thread count timed on the model's first batch, applied, checkpointed, reused on resume."""
+"""threads=auto: the intra-op thread count timed on the run's first steps (copies of the step in a deterministic run),
+applied, cached, checkpointed, reused on resume."""
 from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_speed import GuardedPrecision
@@ -51,11 +52,23 @@ class Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(root, plugin, max_steps, ckpt_path=None):
+class CountsSeen(Callback):
+    """The intra-op thread count each training batch ran at, and the optimizer step it belonged to."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append((trainer.global_step, torch.get_num_threads()))
+
+
+def _fit(root, plugin, max_steps, ckpt_path=None, **trainer_args):
+    counts = CountsSeen()
     trainer = pl.Trainer(max_steps=max_steps, plugins=[plugin], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=root,
-                         callbacks=[ModelCheckpoint(dirpath=root, save_last=True)])
+                         callbacks=[ModelCheckpoint(dirpath=root, save_last=True), counts], **trainer_args)
     trainer.fit(Tiny(), ckpt_path=ckpt_path)
+    trainer.counts_seen = counts.seen
     return trainer
 
 
@@ -70,7 +83,9 @@ def test_a_deterministic_run_sets_torchs_own_count_so_mkl_cannot_change_it(monke
     GuardedPrecision(threads=1).threads.apply_fixed()
     assert calls[-1] == 1
 
-def test_auto_threads_are_decided_on_the_first_batch_saved_and_reused_on_resume(tmp_path, monkeypatch):
+def test_a_deterministic_run_times_copies_on_the_first_batch_saves_and_reuses_the_count_on_resume(tmp_path,
+                                                                                                    monkeypatch):
+    # every step of a deterministic run runs at one count (MKL's sums depend on it): copies are timed first
     calls = []
 
     def stand_in(module, batch, mode, counts, device=None):  # the timing itself is tested below, for real
@@ -80,13 +95,13 @@ def test_auto_threads_are_decided_on_the_first_batch_saved_and_reused_on_resume(
     monkeypatch.setattr("lit_speed.precision.step_timing.choose_threads", stand_in)
     plugin = GuardedPrecision("32-true", threads="auto")
     assert plugin.describe()["threads"].startswith("auto: times this model's step")
-    _fit(tmp_path, plugin, 2)
+    _fit(tmp_path, plugin, 2, deterministic=True)
     assert len(calls) == 1 and torch.get_num_threads() == 1
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["GuardedPrecision"]["threads"] == 1
 
     torch.set_num_threads(2)
     resumed = GuardedPrecision("32-true", threads="auto")
-    _fit(tmp_path, resumed, 4, ckpt_path=str(tmp_path / "last.ckpt"))
+    _fit(tmp_path, resumed, 4, ckpt_path=str(tmp_path / "last.ckpt"), deterministic=True)
     assert len(calls) == 1, "timed again on resume"
     assert torch.get_num_threads() == 1 and "restored from the checkpoint" in resumed.threads.reason
 
@@ -102,3 +117,57 @@ def test_choose_threads_times_the_real_step_and_leaves_no_trace():
     assert all(t is not None and t > 0 for t in decision.times.values())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert torch.equal(rng, torch.get_rng_state())
+
+
+def _no_copies(monkeypatch, cache):
+    monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(cache))  # this test's own machine cache
+    def copies(*args, **kwargs):
+        raise AssertionError("threads=auto timed copies of the step in a run that can time its own steps")
+
+    monkeypatch.setattr("lit_speed.precision.step_timing.choose_threads", copies)
+    monkeypatch.setattr("lit_speed.precision.step_timing.thread_candidates", lambda cores, processes=1: [1, 2])
+
+
+def _windows(seen):
+    """The thread count of each optimizer step, checking that all batches of a step ran at one count."""
+    steps: dict[int, set[int]] = {}
+    for step, count in seen:
+        steps.setdefault(step, set()).add(count)
+    assert all(len(c) == 1 for c in steps.values()), f"a count changed inside an accumulation window: {steps}"
+    return [c.pop() for _, c in sorted(steps.items())]
+
+
+def test_auto_threads_are_timed_on_the_runs_own_optimizer_steps_then_cached(tmp_path, monkeypatch, caplog):
+    # issue 52: copies of the step took 0.5-1.2 s of a ~30 s run before its first step; the run's own steps cost
+    # only the slower count's extra time on a few of them
+    _no_copies(monkeypatch, tmp_path / "cache")
+    torch.set_num_threads(2)
+    plugin = GuardedPrecision("32-true", threads="auto")
+    trainer = _fit(tmp_path / "a", plugin, 24, accumulate_grad_batches=2, deterministic=False)
+    windows = _windows(trainer.counts_seen)
+    assert windows[:2] == [2, 1], "the warm-up round: the count in use first, then the other"
+    chosen = plugin.threads.chosen
+    assert chosen in (1, 2) and plugin.threads.trial is None
+    reason = plugin.threads.reason
+    assert reason.startswith("timed on this run's first ") and "optimizer steps: 2 " in reason and ", 1 " in reason
+    timed = int(reason.split("first ")[1].split(" ")[0])
+    assert timed % 2 == 0 and 8 <= timed <= 14, "a warm-up round, then 3 to 6 rounds of one step per count"
+    rounds = [windows[i:i + 2] for i in range(2, timed, 2)]
+    assert all(sorted(r) == [1, 2] for r in rounds), f"each round times every count once: {windows[:timed]}"
+    assert set(windows[timed:]) == {chosen}, "the rest of the run trains at the chosen count"
+    assert torch.get_num_threads() == chosen
+    assert torch.load(tmp_path / "a" / "last.ckpt", weights_only=True)["GuardedPrecision"]["threads"] == chosen
+
+    torch.set_num_threads(2)  # the next run on this machine starts at torch's count again: no trial
+    again = GuardedPrecision("32-true", threads="auto")
+    trainer = _fit(tmp_path / "b", again, 4, accumulate_grad_batches=2, deterministic=False)
+    assert set(_windows(trainer.counts_seen)) == {chosen} and "(cached " in again.threads.reason
+
+
+def test_a_run_that_ends_during_the_trial_keeps_the_count_and_says_so(tmp_path, monkeypatch):
+    _no_copies(monkeypatch, tmp_path / "cache")
+    torch.set_num_threads(2)
+    plugin = GuardedPrecision("32-true", threads="auto")
+    _fit(tmp_path, plugin, 3, deterministic=False)
+    assert plugin.threads.chosen == 2 and plugin.threads.trial is None
+    assert plugin.threads.reason == "kept: the run ended during the trial (2 optimizer steps)"
