@@ -10,9 +10,10 @@ Where it times: a single-process run that is not deterministic times **the run's
 warm-up, and after 3-6 rounds the fastest count trains the rest of the run. Nothing is copied and no step is
 thrown away; the trial costs the slower counts' extra time on its few steps. Copies of the model timed apart took
 0.5-1.2 s of a ~30 s charlm_fast run on a Zen4 (2 threads 44 ms a step, 1 thread 64 ms), and a copy of a model
-and its optimizer per count at real size. A deterministic run (Lightning's ``deterministic=True``) and a run of
-several processes time copies before the first step (:func:`~lit_speed.precision.step_timing.choose_threads`),
-so that every step of the run uses one count (MKL's sums depend on it) and the ranks decide together. The
+and its optimizer per count at real size. A deterministic run (Lightning's ``deterministic=True``), a run of
+several processes and a GPU run time copies before the first step (:func:`~lit_speed.precision.step_timing.
+choose_threads`): every step of a deterministic run uses one count (MKL's sums depend on it), the ranks decide
+together, and a GPU step's time is only known after a synchronisation, which the copies make and the run does not. The
 precision modes and the attention kernel (``auto``) are timed at the first batch, before the trial, at the count
 in use then; a deterministic or multi-process run times its count first.
 """
@@ -71,15 +72,16 @@ class ThreadChoice:
 
     def decide(self, trainer: Any, batch: Any, mode: str) -> None:
         """``threads="auto"`` at the first training batch: this machine's cached choice, else a :class:`StepTrial` on
-        the run's own steps (single process, not deterministic), else rank 0 times copies of the step at each count
-        and every rank uses its choice."""
+        the run's own steps (one process on the CPU, not deterministic), else rank 0 times copies of the step at each
+        count and every rank uses its choice."""
         from lit_speed.precision.step_timing import as_step_input, batch_shapes, choose_threads, thread_candidates
 
         self.pending = False
         kept = torch.get_num_threads()
         counts = thread_candidates(os.cpu_count() or 1, int(os.environ.get("LOCAL_WORLD_SIZE",
                                                                            trainer.num_devices or 1)))
-        if trainer.world_size == 1 and not torch.are_deterministic_algorithms_enabled() and len(set(counts)) > 1:
+        on_run = trainer.world_size == 1 and trainer.strategy.root_device.type == "cpu" and len(set(counts)) > 1
+        if on_run and not torch.are_deterministic_algorithms_enabled():
             module = trainer.lightning_module
             key = {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode, "on_run": True,
                    "threads": kept,  # the count the run started with: the trial's own switches are not in its key

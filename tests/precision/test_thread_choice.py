@@ -171,3 +171,26 @@ def test_a_run_that_ends_during_the_trial_keeps_the_count_and_says_so(tmp_path, 
     _fit(tmp_path, plugin, 3, deterministic=False)
     assert plugin.threads.chosen == 2 and plugin.threads.trial is None
     assert plugin.threads.reason == "kept: the run ended during the trial (2 optimizer steps)"
+
+
+@pytest.mark.parametrize("device, deterministic, world_size", [("cuda", False, 1), ("cpu", True, 1), ("cpu", False, 2)])
+def test_copies_are_timed_where_the_run_cannot_time_its_own_steps(monkeypatch, device, deterministic, world_size):
+    # a GPU step's time needs a synchronisation, a deterministic run one count for every step, ranks one decision:
+    # the routing is checked with a stand-in trainer (no GPU or second process here)
+    from types import SimpleNamespace
+
+    calls = []
+
+    def stand_in(module, batch, mode, counts, device=None):
+        calls.append(device)
+        return Decision("precision.threads", "1", "stand-in timing")
+
+    monkeypatch.setattr("lit_speed.precision.step_timing.choose_threads", stand_in)
+    monkeypatch.setattr("lit_speed.precision.step_timing.thread_candidates", lambda cores, processes=1: [1, 2])
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    trainer = SimpleNamespace(world_size=world_size, num_devices=1, global_rank=0, lightning_module=Tiny(),
+                              strategy=SimpleNamespace(root_device=torch.device(device), broadcast=lambda obj, src: obj))
+    choice = GuardedPrecision("32-true", threads="auto").threads
+    choice.decide(trainer, (torch.randn(8, 8), torch.randn(8, 1)), "32-true")
+    assert calls == [torch.device(device)] and choice.trial is None and choice.chosen == 1
