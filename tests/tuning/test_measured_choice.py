@@ -157,3 +157,24 @@ def test_the_load_of_a_timing_too_short_for_the_cpu_counters_is_not_judged(monke
     with machine_cache.OtherLoad() as load:
         pass
     assert load.cores > 1 and not load.busy
+
+
+def test_samples_timed_elsewhere_are_chosen_and_cached_like_a_timing_here(tmp_path, monkeypatch):
+    # threads=auto times the run's own steps, then records them: the next run finds them without timing
+    from types import SimpleNamespace
+
+    from lit_speed.tuning.measured_choice import cached_choice, recorded_choice
+
+    monkeypatch.setenv("LIT_SPEED_CACHE_DIR", str(tmp_path))
+    assert cached_choice("test.steps", {"k": 1}, ["1", "2"], default="2") is None
+    busy = SimpleNamespace(busy=True, cores=1.0)
+    with pytest.warns(UserWarning, match=r"test\.steps was timed while other processes kept 1\.0 of"):
+        decision = recorded_choice("test.steps", {"k": 1}, {"1": [0.08, 0.09], "2": [0.05, 0.06]}, "2", busy,
+                                   "timed on this run's first 4 steps")
+    assert decision.chosen == "2" and decision.reason == "timed on this run's first 4 steps: 1 85.00 ms, 2 55.00 ms"
+    assert cached_choice("test.steps", {"k": 1}, ["1", "2"], default="2") is None, "a busy machine's samples cached"
+    quiet = SimpleNamespace(busy=False, cores=0.0)
+    recorded_choice("test.steps", {"k": 1}, {"1": [0.04], "2": [0.05, 0.06]}, "2", quiet, "timed on its steps")
+    again = cached_choice("test.steps", {"k": 1}, ["2", "1"], default="2")
+    assert again is not None and again.chosen == "1" and again.times == {"1": 0.04, "2": 0.055}
+    assert "(cached " in again.reason and cached_choice("test.steps", {"k": 2}, ["1", "2"], default="2") is None
