@@ -121,7 +121,7 @@ class ThreadChoice:
     def describe(self) -> str:
         if self.pending or self.trial is not None:
             return ("auto: times this model's step at 1..cores intra-op threads on the run's first optimizer steps "
-                    "(copies of the step in a deterministic or multi-process run)")
+                    "(copies of the step in a deterministic, multi-process or GPU run)")
         return f"{self.chosen if self.chosen is not None else torch.get_num_threads()} ({self.reason})"
 
     def state_dict(self) -> dict[str, Any]:
@@ -184,7 +184,7 @@ class StepTrial:
     def decide(self) -> tuple[str, str]:
         self.load.__exit__(None, None, None)
         steps = self.windows
-        if not all(self.samples.values()):  # the run ended before every count had a timed step
+        if self.rounds() < 2:  # the run ended before two timed rounds (copies of the step are timed two at least)
             return self.order[0], f"kept: the run ended during the trial ({steps} optimizer steps)"
         decision = recorded_choice(NAME, self.key, self.samples, self.order[0], self.load,
                                    f"timed on this run's first {steps} optimizer steps")

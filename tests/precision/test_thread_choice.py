@@ -164,13 +164,16 @@ def test_auto_threads_are_timed_on_the_runs_own_optimizer_steps_then_cached(tmp_
     assert set(_windows(trainer.counts_seen)) == {chosen} and "(cached " in again.threads.reason
 
 
-def test_a_run_that_ends_during_the_trial_keeps_the_count_and_says_so(tmp_path, monkeypatch):
+@pytest.mark.parametrize("max_steps", [3, 5])
+def test_a_run_that_ends_during_the_trial_keeps_the_count_says_so_and_caches_nothing(tmp_path, monkeypatch, max_steps):
+    # 5 steps: the warm-up round and one timed step per count, fewer than the two rounds a decision needs
     _no_copies(monkeypatch, tmp_path / "cache")
     torch.set_num_threads(2)
     plugin = GuardedPrecision("32-true", threads="auto")
-    _fit(tmp_path, plugin, 3, deterministic=False)
+    _fit(tmp_path, plugin, max_steps, deterministic=False)
     assert plugin.threads.chosen == 2 and plugin.threads.trial is None
-    assert plugin.threads.reason == "kept: the run ended during the trial (2 optimizer steps)"
+    assert plugin.threads.reason == f"kept: the run ended during the trial ({max_steps - 1} optimizer steps)"
+    assert not (tmp_path / "cache" / "precision.threads.json").exists()
 
 
 @pytest.mark.parametrize("device, deterministic, world_size", [("cuda", False, 1), ("cpu", True, 1), ("cpu", False, 2)])
