@@ -197,3 +197,15 @@ def test_copies_are_timed_where_the_run_cannot_time_its_own_steps(monkeypatch, d
     choice = GuardedPrecision("32-true", threads="auto").threads
     choice.decide(trainer, (torch.randn(8, 8), torch.randn(8, 1)), "32-true")
     assert calls == [torch.device(device)] and choice.trial is None and choice.chosen == 1
+
+
+def test_a_checkpoint_taken_during_the_trial_leaves_the_count_to_the_resumed_run(tmp_path, monkeypatch):
+    # a run stopped during its trial (preempted, or short) saved no count: the resumed run times its own steps
+    _no_copies(monkeypatch, tmp_path / "cache")
+    torch.set_num_threads(2)
+    _fit(tmp_path, GuardedPrecision("32-true", threads="auto"), 3, deterministic=False)
+    assert "threads" not in torch.load(tmp_path / "last.ckpt", weights_only=True)["GuardedPrecision"]
+    torch.set_num_threads(2)
+    resumed = GuardedPrecision("32-true", threads="auto")
+    _fit(tmp_path, resumed, 24, ckpt_path=str(tmp_path / "last.ckpt"), deterministic=False)
+    assert resumed.threads.reason.startswith("timed on this run's first "), resumed.threads.reason
