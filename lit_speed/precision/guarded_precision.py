@@ -51,7 +51,8 @@ class GuardedPrecision(GuardReport, Precision):
         fp32_modules: Classes, class names or module names kept in float32 under autocast.
         max_cpu_slowdown: Warn when a CPU low-precision matmul probes slower than this ratio to fp32.
         threads: Intra-op threads: ``None`` (torch's), an int, or ``"auto"``: timed at 1..cores threads on the run's
-            first optimizer steps (copies of the step first, in a deterministic run; see :mod:`.thread_choice`).
+            first optimizer steps (copies of the step first in a deterministic, multi-process or GPU run; see
+            :mod:`.thread_choice`).
         attention: ``scaled_dot_product_attention``'s kernel: ``None`` (torch's), ``math``, ``flash``, ... or
             ``"auto"``: torch's pick and math timed on the first batch, in the mode in use (:mod:`.attention_choice`).
 
