@@ -26,10 +26,10 @@ from torch.overrides import TorchFunctionMode
 from lit_speed.precision.step_timing import (
     ModeRun,
     as_step_input,
-    batch_shapes,
     detached_copy,
     loss_of,
     preserved_rng_states,
+    step_key,
 )
 from lit_speed.tuning.measured_choice import Decision, measured_choice
 
@@ -130,9 +130,8 @@ def choose_attention(module: torch.nn.Module, batch: Any, mode: str, device: tor
             return Decision(name, "default", f"the math kernel would keep ~{seen.math_saved_bytes() / 2**20:,.0f} MiB "
                             f"of attention scores for the backward ({seen.calls} calls; over {cap / 2**20:.0f} MiB): "
                             "not timed, torch's pick kept")
-        key = {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode,
-               "params": sum(p.numel() for p in module.parameters()), "batch": batch_shapes(step_input),
-               "device": str(device or "cpu"), "timed": "calls" if seen.alike else "steps"}
+        key = {**step_key(module, mode, step_input), "device": str(device or "cpu"),
+               "timed": "calls" if seen.alike else "steps"}
         if seen.alike and seen.first is not None:
             call = AttentionCall(seen.first, runs["default"].context)
             decision = measured_choice(name, key, {k: (lambda k=k: call.run(k)) for k in ("default", "math")},

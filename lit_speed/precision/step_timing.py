@@ -281,6 +281,13 @@ def thread_candidates(cores: int, processes: int = 1) -> list[int]:
     return sorted(counts)
 
 
+def step_key(module: nn.Module, mode: str, step_input: Any) -> dict[str, Any]:
+    """What a timing of this model's step depends on besides the machine (the cache key's part of the measured
+    choices timed on the step: threads, the attention kernel): model class, mode, parameter count, batch shapes."""
+    return {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode,
+            "params": sum(p.numel() for p in module.parameters()), "batch": batch_shapes(step_input)}
+
+
 def choose_threads(module: nn.Module, batch: Any, mode: str, counts: Sequence[int],
                    device: torch.device | None = None) -> Any:
     """Time this model's step (in ``mode``) at each intra-op thread count, interleaved, and pick one: the count
@@ -307,8 +314,7 @@ def choose_threads(module: nn.Module, batch: Any, mode: str, counts: Sequence[in
             return run
 
         try:
-            key = {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode,
-                   "params": sum(p.numel() for p in module.parameters()), "batch": batch_shapes(step_input)}
-            return measured_choice("precision.threads", key, {str(n): at(n) for n in counts}, default=str(current))
+            return measured_choice("precision.threads", step_key(module, mode, step_input),
+                                   {str(n): at(n) for n in counts}, default=str(current))
         finally:
             torch.set_num_threads(current)

@@ -74,7 +74,7 @@ class ThreadChoice:
         """``threads="auto"`` at the first training batch: this machine's cached choice, else a :class:`StepTrial` on
         the run's own steps (one process on the CPU, not deterministic), else rank 0 times copies of the step at each
         count and every rank uses its choice."""
-        from lit_speed.precision.step_timing import as_step_input, batch_shapes, choose_threads, thread_candidates
+        from lit_speed.precision.step_timing import as_step_input, choose_threads, step_key, thread_candidates
 
         self.pending = False
         kept = torch.get_num_threads()
@@ -83,10 +83,8 @@ class ThreadChoice:
         on_run = trainer.world_size == 1 and trainer.strategy.root_device.type == "cpu" and len(set(counts)) > 1
         if on_run and not torch.are_deterministic_algorithms_enabled():
             module = trainer.lightning_module
-            key = {"model": f"{type(module).__module__}.{type(module).__qualname__}", "mode": mode, "on_run": True,
-                   "threads": kept,  # the count the run started with: the trial's own switches are not in its key
-                   "params": sum(p.numel() for p in module.parameters()),
-                   "batch": batch_shapes(as_step_input(module, batch, trainer.strategy.root_device))}
+            key = {**step_key(module, mode, as_step_input(module, batch, trainer.strategy.root_device)),
+                   "on_run": True, "threads": kept}  # the starting count: the trial's own switches are not in its key
             order = [str(n) for n in sorted(set(counts) | {kept}, key=lambda n: n != kept)]  # the count in use first
             cached = cached_choice(NAME, key, order, str(kept))
             if cached is None:
