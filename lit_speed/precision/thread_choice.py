@@ -15,7 +15,7 @@ several processes and a GPU run time copies before the first step (:func:`~lit_s
 choose_threads`): every step of a deterministic run uses one count (MKL's sums depend on it), the ranks decide
 together, and a GPU step's time is only known after a synchronisation, which the copies make and the run does not. The
 precision modes and the attention kernel (``auto``) are timed at the first batch, before the trial, at the count
-in use then; a deterministic or multi-process run times its count first.
+in use then; a deterministic, multi-process or GPU run times its count first.
 """
 from __future__ import annotations
 
