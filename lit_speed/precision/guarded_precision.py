@@ -274,7 +274,7 @@ class GuardedPrecision(GuardReport, Precision):
             self._decide_by_timing(data)
         if training and self.attention.pending:  # in the mode just chosen
             self.attention.decide(self._trainer, data, self.mode)
-        if training and self.threads.trial is not None:  # threads=auto timed on the run's own steps
+        if training and self.threads.watching:  # threads=auto timed on the run's own steps
             self.threads.on_batch(self._trainer.global_step)
         module_dtype = self._spec.module_dtype  # a bf16 module (bf16-true, bf16-master) takes bf16 inputs
         return cast_floating(data, module_dtype) if module_dtype is not None else data

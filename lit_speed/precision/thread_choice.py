@@ -8,7 +8,8 @@ machine; the choice goes into the checkpoint and a resume reuses it).
 Where it times: a single-process run that is not deterministic times **the run's own first optimizer steps**
 (:class:`StepTrial`): each count trains whole optimizer steps in turn, the first step of each count is its
 warm-up, and after 3-6 rounds the fastest count trains the rest of the run. Nothing is copied and no step is
-thrown away; the trial costs the slower counts' extra time on its few steps. Copies of the model timed apart took
+thrown away; the trial costs the slower counts' extra time on its few steps. A trial that ran while other processes
+kept cores busy runs again :data:`RETIME_AFTER` steps later (up to :data:`RETIMES` times); the quiet one decides. Copies of the model timed apart took
 0.5-1.2 s of a ~30 s charlm_fast run on a Zen4 (2 threads 44 ms a step, 1 thread 64 ms), and a copy of a model
 and its optimizer per count at real size. A deterministic run (Lightning's ``deterministic=True``), a run of
 several processes and a GPU run time copies before the first step (:func:`~lit_speed.precision.step_timing.
@@ -34,6 +35,12 @@ from lit_speed.tuning.measured_choice import SEPARATED_AFTER, cached_choice, rec
 #: :class:`StepTrial` decides after at most this many rounds (one optimizer step per count each), sooner once the
 #: counts are separated (after :data:`~lit_speed.tuning.measured_choice.SEPARATED_AFTER` rounds).
 TRIAL_ROUNDS = 6
+#: A trial that ran while other processes kept cores busy (:class:`~lit_speed.tuning.machine_cache.OtherLoad`, CPU
+#: steal included) is run again this many optimizer steps after it ended, up to :data:`RETIMES` times, until one runs
+#: on a quiet machine: beside a busy core one thread wins (Z4: a 2-thread step 322 ms, 1 thread 91 ms), and a
+#: neighbour's burst during the first steps must not set the count of a whole run (that run took 43.9 s, its peers 33).
+RETIME_AFTER = 50
+RETIMES = 3
 
 
 class ThreadChoice:
@@ -58,6 +65,8 @@ class ThreadChoice:
         self.reason = "requested" if self.chosen is not None else "torch's default"
         self.pending = threads == "auto"  # decided on the first training batch
         self.trial: StepTrial | None = None  # auto: the counts being timed on the run's own steps
+        self.retime: tuple[int, StepTrial] | None = None  # (optimizer step, busy trial): timed again from that step
+        self.retimes = 0
 
     def apply_fixed(self) -> None:
         """Set a requested or restored count (at setup). In a deterministic run (``torch.
@@ -100,16 +109,33 @@ class ThreadChoice:
 
         self._take(*on_rank_zero(lambda: timed_or_kept(time_it, kept, "kept"), trainer))
 
-    def on_batch(self, global_step: int) -> None:
-        """Every training batch while a :class:`StepTrial` runs (``GuardedPrecision.convert_input``)."""
-        if self.trial is not None and self.trial.on_batch(global_step):
-            self.finish()
+    @property
+    def watching(self) -> bool:
+        """Whether :meth:`on_batch` is wanted: a trial runs, or one is due again (:data:`RETIME_AFTER`)."""
+        return self.trial is not None or self.retime is not None
 
-    def finish(self) -> None:
-        """Decide a running trial from the rounds it has (at the trial's end, or when the run ends during it)."""
+    def on_batch(self, global_step: int) -> None:
+        """Every training batch while :attr:`watching` (``GuardedPrecision.convert_input``)."""
+        if self.retime is not None and global_step >= self.retime[0]:
+            busy, self.retime = self.retime[1], None
+            order = [str(self.chosen)] + [n for n in busy.order if n != str(self.chosen)]  # the count in use first
+            self.trial = StepTrial(order, busy.key, first_step=global_step)
+            rank_zero_info(f"GuardedPrecision: threads=auto times {', '.join(order)} threads again from optimizer step "
+                           f"{global_step}: the last trial ran while other processes kept {busy.load.cores:.1f} of "
+                           f"{os.cpu_count()} cores busy")
+        if self.trial is not None and self.trial.on_batch(global_step):
+            self.finish(global_step)
+
+    def finish(self, global_step: int | None = None) -> None:
+        """Decide a running trial from the rounds it has (at the trial's end, or when the run ends during it: no
+        ``global_step``); one that ran beside other load is due again :data:`RETIME_AFTER` steps later."""
         trial, self.trial = self.trial, None
-        if trial is not None:
-            self._take(*trial.decide())
+        if trial is None:
+            return
+        self._take(*trial.decide())
+        if global_step is not None and trial.load.busy and self.retimes < RETIMES:
+            self.retimes += 1
+            self.retime = (global_step + RETIME_AFTER, trial)
 
     def _take(self, chosen: Any, reason: str) -> None:
         self.chosen, self.reason = int(chosen), reason
@@ -123,12 +149,16 @@ class ThreadChoice:
         return f"{self.chosen if self.chosen is not None else torch.get_num_threads()} ({self.reason})"
 
     def state_dict(self) -> dict[str, Any]:
-        return {"threads": self.chosen, "threads_reason": self.reason} if self.chosen is not None else {}
+        if self.chosen is None:
+            return {}
+        busy = self.retime is not None or (self.trial is not None and self.trial.first_step > 0)
+        return {"threads": self.chosen, "threads_reason": self.reason, **({"threads_busy": True} if busy else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A resume keeps the checkpoint's count when this run asks for ``auto`` (not timed again)."""
+        """A resume keeps the checkpoint's count when this run asks for ``auto`` (not timed again), unless a trial
+        beside other load chose it (then it trains at that count until this run's own choice)."""
         if self.requested == "auto" and state.get("threads") is not None:
-            self.chosen, self.pending = int(state["threads"]), False
+            self.chosen, self.pending = int(state["threads"]), bool(state.get("threads_busy"))
             self.reason = f"restored from the checkpoint (not timed again): {state.get('threads_reason', '')}"
             torch.set_num_threads(self.chosen)
 
@@ -144,8 +174,8 @@ class StepTrial:
     after :data:`~lit_speed.tuning.measured_choice.SEPARATED_AFTER`; the count in use at the start is kept unless
     another is faster by the tuning margin, and the timings are cached per machine like every measured choice."""
 
-    def __init__(self, order: list[str], key: dict[str, Any]) -> None:
-        self.order, self.key = order, key
+    def __init__(self, order: list[str], key: dict[str, Any], first_step: int = 0) -> None:
+        self.order, self.key, self.first_step = order, key, first_step
         self.samples: dict[str, list[float]] = {n: [] for n in order}
         self.windows = 0  # optimizer steps finished in the trial
         self.step: int | None = None  # the global step the current window started at
@@ -184,8 +214,9 @@ class StepTrial:
         steps = self.windows
         if self.rounds() < 2:  # the run ended before two timed rounds (copies of the step are timed two at least)
             return self.order[0], f"kept: the run ended during the trial ({steps} optimizer steps)"
-        decision = recorded_choice(NAME, self.key, self.samples, self.order[0], self.load,
-                                   f"timed on this run's first {steps} optimizer steps")
+        how = (f"timed on this run's first {steps} optimizer steps" if not self.first_step else
+               f"timed again on this run's optimizer steps {self.first_step}-{self.first_step + steps - 1}")
+        decision = recorded_choice(NAME, self.key, self.samples, self.order[0], self.load, how)
         return decision.chosen, decision.reason
 
 

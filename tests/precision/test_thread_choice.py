@@ -209,3 +209,79 @@ def test_a_checkpoint_taken_during_the_trial_leaves_the_count_to_the_resumed_run
     resumed = GuardedPrecision("32-true", threads="auto")
     _fit(tmp_path, resumed, 24, ckpt_path=str(tmp_path / "last.ckpt"), deterministic=False)
     assert resumed.threads.reason.startswith("timed on this run's first "), resumed.threads.reason
+
+
+def _busy_trials(monkeypatch, busy):
+    """``OtherLoad.busy`` of the n-th trial's load (n from 0) is ``busy(n)``: a neighbour's burst, on demand."""
+    from lit_speed.tuning.machine_cache import OtherLoad
+
+    made: list[OtherLoad] = []
+    enter = OtherLoad.__enter__
+
+    def entered(self):
+        made.append(self)
+        return enter(self)
+
+    monkeypatch.setattr(OtherLoad, "__enter__", entered)
+    monkeypatch.setattr(OtherLoad, "busy", property(lambda self: busy(made.index(self))))
+    monkeypatch.setattr("lit_speed.precision.thread_choice.RETIME_AFTER", 6)
+    return made
+
+
+def test_a_trial_beside_other_load_is_run_again_later_and_the_quiet_one_decides_and_is_cached(tmp_path, monkeypatch,
+                                                                                               caplog):
+    # race 10 on Z4: a trial during a neighbour's burst timed 2 threads at 322 ms, 1 at 91 ms, and its run trained at
+    # one thread to the end (43.9 s against its peers' 33): a busy trial's count holds only until a quiet trial
+    _no_copies(monkeypatch, tmp_path / "cache")
+    trials = _busy_trials(monkeypatch, lambda n: n == 0)
+    torch.set_num_threads(2)
+    plugin = GuardedPrecision("32-true", threads="auto")
+    with caplog.at_level("INFO"):
+        trainer = _fit(tmp_path / "a", plugin, 40, deterministic=False)
+    assert len(trials) == 2 and plugin.threads.retime is None
+    first = int(next(r.message for r in caplog.records if "-> " in r.message).split("first ")[1].split(" ")[0])
+    again = next(r.message for r in caplog.records if " again from optimizer step " in r.message)
+    assert f"again from optimizer step {first + 6}: the last trial ran while other processes kept" in again
+    windows = _windows(trainer.counts_seen)
+    busy_choice = windows[first]
+    assert set(windows[first:first + 6]) == {busy_choice}, "the busy trial's count trains until the trial again"
+    assert windows[first + 6] == busy_choice and sorted(windows[first + 6:first + 8]) == [1, 2], \
+        "the trial again: the count in use first, then the other"
+    reason = plugin.threads.reason
+    assert reason.startswith(f"timed again on this run's optimizer steps {first + 6}-"), reason
+    assert set(windows[-5:]) == {plugin.threads.chosen}
+    assert (tmp_path / "cache" / "precision.threads.json").exists(), "the quiet trial is the machine's answer"
+
+    torch.set_num_threads(2)  # the next run starts at torch's count, as the first did: it finds the quiet answer
+    later = GuardedPrecision("32-true", threads="auto")
+    _fit(tmp_path / "b", later, 4, deterministic=False)
+    assert "(cached " in later.threads.reason and len(trials) == 2
+
+
+def test_trials_beside_other_load_are_run_again_at_most_retimes_times_and_nothing_is_cached(tmp_path, monkeypatch):
+    from lit_speed.precision.thread_choice import RETIMES
+
+    _no_copies(monkeypatch, tmp_path / "cache")
+    trials = _busy_trials(monkeypatch, lambda n: True)
+    torch.set_num_threads(2)
+    plugin = GuardedPrecision("32-true", threads="auto")
+    _fit(tmp_path, plugin, 120, deterministic=False)
+    assert len(trials) == 1 + RETIMES and plugin.threads.retime is None and plugin.threads.trial is None
+    assert plugin.threads.reason.startswith("timed again on this run's optimizer steps ")
+    assert not (tmp_path / "cache" / "precision.threads.json").exists()
+
+
+def test_a_count_from_a_trial_beside_other_load_is_timed_again_by_the_resumed_run(tmp_path, monkeypatch):
+    _no_copies(monkeypatch, tmp_path / "cache")
+    trials = _busy_trials(monkeypatch, lambda n: n == 0)
+    monkeypatch.setattr("lit_speed.precision.thread_choice.RETIME_AFTER", 50)
+    torch.set_num_threads(2)
+    stopped = GuardedPrecision("32-true", threads="auto")
+    _fit(tmp_path, stopped, 16, deterministic=False)  # the busy trial ended, its trial again still due
+    assert stopped.threads.retime is not None
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["GuardedPrecision"]
+    assert saved["threads"] == stopped.threads.chosen and saved["threads_busy"] is True
+    torch.set_num_threads(2)
+    resumed = GuardedPrecision("32-true", threads="auto")
+    _fit(tmp_path, resumed, 40, ckpt_path=str(tmp_path / "last.ckpt"), deterministic=False)
+    assert len(trials) == 2 and resumed.threads.reason.startswith("timed on this run's first "), resumed.threads.reason
