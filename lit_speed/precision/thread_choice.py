@@ -11,9 +11,9 @@ warm-up, and after 3-6 rounds the fastest count trains the rest of the run. Noth
 thrown away; the trial costs the slower counts' extra time on its few steps. A trial that ran while other processes
 kept cores busy runs again :data:`RETIME_AFTER` steps later (up to :data:`RETIMES` times); the quiet one decides.
 Copies of the model timed apart took 0.5-1.2 s of a ~30 s charlm_fast run on a Zen4 (2 threads 44 ms a step, 1
-thread 64 ms), and a copy of a model and its optimizer per count at real size. A deterministic run (Lightning's ``deterministic=True``), a run of
-several processes and a GPU run time copies before the first step (:func:`~lit_speed.precision.step_timing.
-choose_threads`): every step of a deterministic run uses one count (MKL's sums depend on it), the ranks decide
+thread 64 ms), and a copy of a model and its optimizer per count at real size. A deterministic run (Lightning's
+``deterministic=True``), a run of several processes and a GPU run time copies before the first step
+(:func:`~lit_speed.precision.step_timing.choose_threads`): every step of a deterministic run uses one count (MKL's sums depend on it), the ranks decide
 together, and a GPU step's time is only known after a synchronisation, which the copies make and the run does not. The
 precision modes and the attention kernel (``auto``) are timed at the first batch, before the trial, at the count
 in use then; a deterministic, multi-process or GPU run times its count first.
@@ -159,7 +159,8 @@ class ThreadChoice:
         beside other load chose it (then it trains at that count until this run's own choice)."""
         if self.requested == "auto" and state.get("threads") is not None:
             self.chosen, self.pending = int(state["threads"]), bool(state.get("threads_busy"))
-            how = "timed again at the first batch: its trial ran beside other load" if self.pending else "not timed again"
+            how = ("timed again at the first batch: its trial ran beside other load" if self.pending
+                   else "not timed again")
             self.reason = f"restored from the checkpoint ({how}): {state.get('threads_reason', '')}"
             torch.set_num_threads(self.chosen)
 
