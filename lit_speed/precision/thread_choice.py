@@ -6,17 +6,17 @@ the user's own step at 1, 2, 4, ... up to this process's share of the cores and 
 machine; the choice goes into the checkpoint and a resume reuses it).
 
 Where it times: a single-process run that is not deterministic times **the run's own first optimizer steps**
-(:class:`StepTrial`): each count trains whole optimizer steps in turn, the first step of each count is its
-warm-up, and after 3-6 rounds the fastest count trains the rest of the run. Nothing is copied and no step is
-thrown away; the trial costs the slower counts' extra time on its few steps. A trial that ran while other processes
-kept cores busy runs again :data:`RETIME_AFTER` steps later (up to :data:`RETIMES` times); the quiet one decides.
-Copies of the model timed apart took 0.5-1.2 s of a ~30 s charlm_fast run on a Zen4 (2 threads 44 ms a step, 1
-thread 64 ms), and a copy of a model and its optimizer per count at real size. A deterministic run (Lightning's
-``deterministic=True``), a run of several processes and a GPU run time copies before the first step
-(:func:`~lit_speed.precision.step_timing.choose_threads`): every step of a deterministic run uses one count (MKL's sums depend on it), the ranks decide
-together, and a GPU step's time is only known after a synchronisation, which the copies make and the run does not. The
-precision modes and the attention kernel (``auto``) are timed at the first batch, before the trial, at the count
-in use then; a deterministic, multi-process or GPU run times its count first.
+(:class:`StepTrial`): each count trains whole optimizer steps in turn, the first step of each count is its warm-up,
+and after 3-6 rounds the fastest count trains the rest of the run. Nothing is copied and no step is thrown away; the
+trial costs the slower counts' extra time on its few steps. A trial that ran while other processes kept cores busy
+runs again :data:`RETIME_AFTER` steps later (up to :data:`RETIMES` times); the quiet one decides. Copies of the model
+timed apart took 0.5-1.2 s of a ~30 s charlm_fast run on a Zen4 (2 threads 44 ms a step, 1 thread 64 ms), and a copy
+of a model and its optimizer per count at real size. A deterministic run (Lightning's ``deterministic=True``), a run
+of several processes and a GPU run time copies before the first step
+(:func:`~lit_speed.precision.step_timing.choose_threads`): every step of a deterministic run uses one count (MKL's
+sums depend on it), the ranks decide together, and a GPU step's time is only known after a synchronisation, which the
+copies make and the run does not. The precision modes and the attention kernel (``auto``) are timed at the first
+batch, before the trial, at the count in use then; a deterministic, multi-process or GPU run times its count first.
 """
 from __future__ import annotations
 
