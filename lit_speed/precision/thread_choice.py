@@ -156,12 +156,11 @@ class ThreadChoice:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A resume keeps the checkpoint's count when this run asks for ``auto`` (not timed again), unless a trial
-        beside other load chose it (then it trains at that count until this run's own choice)."""
-        if self.requested == "auto" and state.get("threads") is not None:
-            self.chosen, self.pending = int(state["threads"]), bool(state.get("threads_busy"))
-            how = ("timed again at the first batch: its trial ran beside other load" if self.pending
-                   else "not timed again")
-            self.reason = f"restored from the checkpoint ({how}): {state.get('threads_reason', '')}"
+        beside other load chose it: then this run decides as a fresh one does, from torch's count (the same cache key,
+        so a quiet answer cached since is found, and a quiet trial here is found by later runs)."""
+        if self.requested == "auto" and state.get("threads") is not None and not state.get("threads_busy"):
+            self.chosen, self.pending = int(state["threads"]), False
+            self.reason = f"restored from the checkpoint (not timed again): {state.get('threads_reason', '')}"
             torch.set_num_threads(self.chosen)
 
 

@@ -281,7 +281,14 @@ def test_a_count_from_a_trial_beside_other_load_is_timed_again_by_the_resumed_ru
     assert stopped.threads.retime is not None
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["GuardedPrecision"]
     assert saved["threads"] == stopped.threads.chosen and saved["threads_busy"] is True
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)  # the busy trial chose 1 thread, as in race 10
+    ckpt["GuardedPrecision"]["threads"] = 1
+    torch.save(ckpt, tmp_path / "last.ckpt")
     torch.set_num_threads(2)
     resumed = GuardedPrecision("32-true", threads="auto")
     _fit(tmp_path, resumed, 40, ckpt_path=str(tmp_path / "last.ckpt"), deterministic=False)
     assert len(trials) == 2 and resumed.threads.reason.startswith("timed on this run's first "), resumed.threads.reason
+    torch.set_num_threads(2)  # a fresh run finds the resumed run's quiet answer: the same key as a first run's
+    later = GuardedPrecision("32-true", threads="auto")
+    _fit(tmp_path / "later", later, 4, deterministic=False)
+    assert "(cached " in later.threads.reason and len(trials) == 2
